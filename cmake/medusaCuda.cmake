@@ -1,0 +1,21 @@
+# SPDX-License-Identifier: Apache-2.0
+# Defines medusa::cuda: the header-only library plus the CUDA toolkit (CCCL, cudart, cuBLAS).
+# Used by the build tree and by medusaConfig.cmake, so both define the target the same way.
+if(TARGET medusa::cuda)
+  return()
+endif()
+if(NOT TARGET CUDA::cudart)
+  find_package(CUDAToolkit QUIET)
+endif()
+if(NOT TARGET CUDA::cudart)
+  return()
+endif()
+if(NOT TARGET CCCL::CCCL)
+  find_package(CCCL CONFIG QUIET HINTS "${CUDAToolkit_LIBRARY_DIR}/cmake/cccl")
+endif()
+add_library(medusa_cuda INTERFACE IMPORTED GLOBAL)
+add_library(medusa::cuda ALIAS medusa_cuda)
+target_link_libraries(medusa_cuda INTERFACE medusa::medusa CUDA::cudart CUDA::cublas)
+if(TARGET CCCL::CCCL)
+  target_link_libraries(medusa_cuda INTERFACE CCCL::CCCL)
+endif()

@@ -1,0 +1,54 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file config.hpp
+//! Version macros, the host/device annotation and the versioned namespace.
+//!
+//! Every medusa header includes this one first. It needs nothing beyond the standard library and
+//! never includes a CUDA header: under nvcc `MEDUSA_HOST_DEVICE` expands to `__host__ __device__`,
+//! elsewhere to nothing, so the same code is the CPU reference and the kernels' building block.
+#pragma once
+
+#define MEDUSA_VERSION_MAJOR 0
+#define MEDUSA_VERSION_MINOR 1
+#define MEDUSA_VERSION_PATCH 0
+//! Single integer for comparisons: `MAJOR * 10000 + MINOR * 100 + PATCH`.
+#define MEDUSA_VERSION (MEDUSA_VERSION_MAJOR * 10000 + MEDUSA_VERSION_MINOR * 100 + MEDUSA_VERSION_PATCH)
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define MEDUSA_HOST_DEVICE __host__ __device__
+#define MEDUSA_DEVICE __device__
+#else
+#define MEDUSA_HOST_DEVICE
+#define MEDUSA_DEVICE
+#endif
+
+//! True while compiling device code (the device pass of nvcc).
+#if defined(__CUDA_ARCH__)
+#define MEDUSA_IS_DEVICE_CODE 1
+#else
+#define MEDUSA_IS_DEVICE_CODE 0
+#endif
+
+// The ABI version lives in an inline namespace so that two incompatible medusa versions linked
+// into one program cannot silently mix their types.
+#define MEDUSA_NAMESPACE_BEGIN \
+  namespace medusa {           \
+  inline namespace v0 {
+#define MEDUSA_NAMESPACE_END \
+  }                          \
+  }
+
+MEDUSA_NAMESPACE_BEGIN
+
+//! The library version this header belongs to.
+struct version_info {
+  int major;
+  int minor;
+  int patch;
+};
+
+//! Returns the version of the headers in use.
+constexpr version_info version() noexcept {
+  return {MEDUSA_VERSION_MAJOR, MEDUSA_VERSION_MINOR, MEDUSA_VERSION_PATCH};
+}
+
+MEDUSA_NAMESPACE_END

@@ -1,0 +1,14 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file medusa.hpp
+//! Umbrella header: everything an engine needs for Medusa decoding on the CPU.
+//!
+//! @code
+//! #include <medusa/medusa.hpp>
+//! static_assert(medusa::version().major == MEDUSA_VERSION_MAJOR);
+//! @endcode
+//!
+//! CUDA kernels are not included here; they live in `<medusa/cuda/...>` and need nvcc.
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/error.hpp>

@@ -1,0 +1,13 @@
+# SPDX-License-Identifier: Apache-2.0
+# Runs the shared conformance checker against the built tools; skipped (77) without ../shared.
+if(NOT EXISTS "${SHARED_DIR}/conformance/check_cli.py")
+  message("shared conformance cases not found at ${SHARED_DIR}: skipped")
+  cmake_language(EXIT 77)
+endif()
+execute_process(
+  COMMAND "${PYTHON}" "${SHARED_DIR}/conformance/check_cli.py"
+          --bin-dir "${BIN_DIR}" --cases "${SHARED_DIR}/conformance/cases" --only "${ONLY}"
+  RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "conformance failed (exit ${rc})")
+endif()
