@@ -12,3 +12,4 @@
 
 #include <medusa/config.hpp>
 #include <medusa/error.hpp>
+#include <medusa/tree.hpp>
