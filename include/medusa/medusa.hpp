@@ -13,3 +13,5 @@
 #include <medusa/config.hpp>
 #include <medusa/error.hpp>
 #include <medusa/tree.hpp>
+#include <medusa/candidates.hpp>
+#include <medusa/acceptance.hpp>

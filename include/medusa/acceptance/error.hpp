@@ -1,0 +1,41 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file error.hpp
+//! The typed error of candidates and acceptance: bad shapes, vocab mismatches, token ids out of
+//! range, non-finite logits, bad policy parameters and bad draft distributions.
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/error.hpp>
+
+#include <string>
+
+MEDUSA_NAMESPACE_BEGIN
+
+//! What went wrong in a candidates or acceptance call.
+enum class acceptance_errc {
+  size_mismatch,       //!< a span has the wrong length for the tree / vocab / head count
+  vocab_mismatch,      //!< vocab size is not positive or disagrees with the data given
+  token_out_of_range,  //!< a token id outside [0, vocab)
+  non_finite_logit,    //!< NaN or +/-Inf in a logit row that the call reads
+  bad_parameter,       //!< a policy parameter outside its domain (negative temperature, ...)
+  bad_draft,           //!< a draft distribution that is negative, non-finite or zero at its token
+  too_deep,            //!< the tree is deeper than a verify result can hold
+};
+
+//! Bad input to a candidates or acceptance call. `node()` is the tree node (or head, for top-k
+//! calls, as documented per function) that the error is about, -1 when none.
+class acceptance_error : public invalid_input {
+ public:
+  acceptance_error(acceptance_errc code, const std::string& what, int node = -1)
+      : invalid_input(what), code_(code), node_(node) {}
+  //! The error code.
+  [[nodiscard]] acceptance_errc code() const noexcept { return code_; }
+  //! The node (or head) concerned, -1 if none.
+  [[nodiscard]] int node() const noexcept { return node_; }
+
+ private:
+  acceptance_errc code_;
+  int node_;
+};
+
+MEDUSA_NAMESPACE_END
