@@ -15,3 +15,6 @@
 #include <medusa/tree.hpp>
 #include <medusa/candidates.hpp>
 #include <medusa/acceptance.hpp>
+#include <medusa/half.hpp>
+#include <medusa/kv_cache.hpp>
+#include <medusa/attention.hpp>

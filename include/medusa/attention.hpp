@@ -1,0 +1,550 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file attention.hpp
+//! CPU reference of tree attention (and plain causal attention) over a `kv_cache_view`.
+//!
+//! One forward pass of the `N` tree nodes (spec §1): query `i` attends to every committed slot
+//! `[0, L)`, and to tree slots `L + j` for the nodes `j` its packed ancestor mask allows (its
+//! ancestors, the root and itself). The caller has already written the K/V of node `j` at slot
+//! `L + j` and applied RoPE. Grouped-query attention: `num_q_heads` is a multiple of the KV
+//! heads, query head `h` reads KV head `h / (num_q_heads / num_kv_heads)`. The same routine with
+//! `causal_mask{}` is plain causal attention over a chunk (prefill, or single-token decode with
+//! one query).
+//!
+//! The kernel is flash-attention style: each KV head's query rows (all nodes × the query heads
+//! of the group) are processed together against blocks of 64 keys, so a K/V row is read and
+//! converted once per group; scores and softmax are accumulated online. The inner loops use
+//! AVX-512 when the compiler targets it (`-march=native` on an AVX-512 machine) and a portable
+//! auto-vectorisable path otherwise (define `MEDUSA_ATTENTION_PORTABLE` to force it). No threads
+//! are created; pass a parallel-for to spread KV heads over the caller's threads.
+//!
+//! @code
+//! #include <medusa/attention.hpp>
+//! #include <cstdint>
+//! #include <vector>
+//! int main() {
+//!   const medusa::kv_extents ext{1, 1, 8};                  // 1 layer, 1 KV head, head_dim 8
+//!   std::vector<float> k(32 * 8, 0.5f), v(32 * 8, 1.0f);
+//!   auto kv = medusa::make_kv_view<float>(k, v, ext, 32);
+//!   // tree: root 0, children 1 and 2 -> rows 0b001, 0b011, 0b101
+//!   const std::uint32_t mask[] = {0x1, 0x3, 0x5};
+//!   std::vector<float> q(3 * 2 * 8, 0.1f), out(q.size());   // 3 nodes, 2 query heads
+//!   medusa::tree_attention(kv, /*layer*/ 0, /*L*/ 10, q, 3, 2, medusa::packed_tree_mask{mask, 1}, out);
+//!   return out[0] == 1.0f ? 0 : 1;                          // every V row is 1
+//! }
+//! @endcode
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/error.hpp>
+#include <medusa/half.hpp>
+#include <medusa/kv_cache.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && !defined(MEDUSA_ATTENTION_PORTABLE)
+#define MEDUSA_ATTENTION_AVX512 1
+#include <immintrin.h>
+#else
+#define MEDUSA_ATTENTION_AVX512 0
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
+#endif
+
+MEDUSA_NAMESPACE_BEGIN
+
+//! Tree visibility from a packed ancestor mask: row-major `[N][words_per_row]` words; bit `j % 32`
+//! of word `j / 32` of row `i` set = node `i` may see node `j` (spec §2.2, LSB first). Committed
+//! slots `[0, L)` are always visible. Bits for `j >= N` are ignored.
+struct packed_tree_mask {
+  std::span<const std::uint32_t> words;  //!< `N * words_per_row` words (or more)
+  int words_per_row = 0;                 //!< at least `ceil(N / 32)`
+};
+
+//! Causal visibility within the chunk: query `i` sees chunk rows `0..i` (and all of `[0, L)`).
+struct causal_mask {};
+
+//! The mask sources `tree_attention` accepts directly.
+template <class M>
+concept attention_mask = std::same_as<M, packed_tree_mask> || std::same_as<M, causal_mask>;
+
+//! A tree that can provide its packed mask (satisfied by `medusa::tree` and the compile-time tree).
+template <class Tree>
+concept attention_tree = requires(const Tree& t, int i) {
+  { t.num_nodes() } -> std::convertible_to<int>;
+  { t.words_per_row() } -> std::convertible_to<int>;
+  { t.packed_mask_word(i, i) } -> std::convertible_to<std::uint32_t>;
+};
+
+//! Options of `tree_attention`.
+struct attention_options {
+  //! Multiplies `q · k`; 0 means `1 / sqrt(head_dim)`.
+  float scale = 0.0f;
+};
+
+//! Runs `body(i)` for `i` in `[0, count)` on the calling thread (the default "parallel" for).
+struct sequential_for {
+  //! Calls `body(0) .. body(count - 1)` in order.
+  template <class F>
+  void operator()(int count, F&& body) const {
+    for (int i = 0; i < count; ++i) body(i);
+  }
+};
+
+namespace detail {
+
+inline constexpr int attn_block = 64;  // keys per block: one 64-bit mask word per query row
+inline constexpr int attn_rows = 4;    // query rows per micro-kernel
+
+// --- element rows -> float ----------------------------------------------------------------------
+inline void attn_load_row(const float* src, float* dst, int n) noexcept {
+  std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
+}
+inline void attn_load_row(const bfloat16* src, float* dst, int n) noexcept {
+  // bfloat16 -> float is a 16-bit shift; written on the raw bits so that it vectorises.
+  std::uint16_t raw[256];
+  for (int d0 = 0; d0 < n; d0 += 256) {
+    const int m = std::min(256, n - d0);
+    std::memcpy(raw, src + d0, static_cast<std::size_t>(m) * sizeof(std::uint16_t));
+    for (int d = 0; d < m; ++d) dst[d0 + d] = bfloat16_bits_to_float(raw[d]);
+  }
+}
+inline void attn_load_row(const half* src, float* dst, int n) noexcept {
+  int d = 0;
+#if MEDUSA_ATTENTION_AVX512
+  for (; d + 16 <= n; d += 16)
+    _mm512_storeu_ps(dst + d, _mm512_mask_cvtph_ps(_mm512_setzero_ps(), static_cast<__mmask16>(0xFFFF),
+                                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+#elif defined(__F16C__) && defined(__AVX__)
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+#if MEDUSA_ATTENTION_AVX512
+// Horizontal reductions through memory: _mm512_reduce_*_ps trips g++ 12's -Wmaybe-uninitialized.
+inline float attn_hmax(__m512 v) noexcept {
+  alignas(64) float t[16];
+  _mm512_store_ps(t, v);
+  float m = t[0];
+  for (int i = 1; i < 16; ++i) m = t[i] > m ? t[i] : m;
+  return m;
+}
+inline float attn_hsum(__m512 v) noexcept {
+  alignas(64) float t[16];
+  _mm512_store_ps(t, v);
+  float s = 0.0f;
+  for (float x : t) s += x;
+  return s;
+}
+#endif
+
+// 2^x for x <= 0 (softmax weights); exact 0 below -126. Branch-free so the loops vectorise.
+inline float attn_exp2(float x) noexcept {
+  // Clamped first so that no value (not even NaN) reaches the float -> int conversion out of range.
+  const float xc = x > -126.0f ? (x < 127.0f ? x : 127.0f) : -126.0f;
+  const float n = std::nearbyint(xc);
+  const float f = xc - n;  // [-0.5, 0.5]
+  // Taylor polynomial of 2^f = e^(f ln 2), degree 6: relative error < 2e-7 on [-0.5, 0.5].
+  float p = 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const auto e = static_cast<std::uint32_t>(static_cast<int>(n) + 127) << 23;
+  const float r = p * __builtin_bit_cast(float, e);
+  return x < -126.0f ? 0.0f : r;
+}
+
+// One task: KV head `g`, query rows [r0, r1) of the node-major row list (row = node*G + h).
+template <class View, class Mask>
+struct attn_task {
+  const View& kv;
+  int layer;
+  int L;
+  int nq;
+  int hq;
+  int G;
+  int D;
+  float qscale;  // scale * log2(e): scores are in base-2 units
+  const Mask& mask;
+  std::span<const float> q;
+  std::span<float> out;
+
+  // Visibility bits of tree/chunk keys [j0, j0+64) for query node i.
+  [[nodiscard]] std::uint64_t bits(int i, int j0) const noexcept {
+    if constexpr (std::is_same_v<Mask, causal_mask>) {
+      if (i < j0) return 0;
+      const int n = i - j0 + 1;
+      return n >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << n) - 1;
+    } else {
+      const int wpr = mask.words_per_row;
+      const int w0 = j0 / 32;
+      const std::uint32_t* row = mask.words.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(wpr);
+      const std::uint64_t lo = w0 < wpr ? row[w0] : 0u;
+      const std::uint64_t hi = w0 + 1 < wpr ? row[w0 + 1] : 0u;
+      return lo | (hi << 32);
+    }
+  }
+
+  void run(int g, int r0, int r1) const {
+    constexpr int B = attn_block;
+    constexpr int R = attn_rows;
+    const int rows = r1 - r0;
+    const int rows_p = (rows + R - 1) / R * R;
+    const auto Dz = static_cast<std::size_t>(D);
+    std::vector<float> buf(static_cast<std::size_t>(rows_p) * Dz * 2 + Dz * B * 2 + Dz + R * B);
+    float* Q = buf.data();
+    float* O = Q + static_cast<std::size_t>(rows_p) * Dz;
+    float* Kt = O + static_cast<std::size_t>(rows_p) * Dz;  // [D][B], transposed
+    float* Vb = Kt + Dz * B;                                  // [B][D]
+    float* tmp = Vb + Dz * B;                                 // [D]
+    float* S = tmp + Dz;                                      // [R][B]
+    std::vector<float> m(static_cast<std::size_t>(rows_p), -std::numeric_limits<float>::infinity());
+    std::vector<float> l(static_cast<std::size_t>(rows_p), 0.0f);
+    std::vector<int> node(static_cast<std::size_t>(rows_p));
+
+    for (int r = 0; r < rows_p; ++r) {
+      const int rr = std::min(r0 + r, r1 - 1);  // padded rows repeat the last real row
+      node[static_cast<std::size_t>(r)] = rr / G;
+      const float* src = q.data() + (static_cast<std::size_t>(rr / G) * static_cast<std::size_t>(hq) +
+                                     static_cast<std::size_t>(g * G + rr % G)) * Dz;
+      for (int d = 0; d < D; ++d) Q[static_cast<std::size_t>(r) * Dz + static_cast<std::size_t>(d)] = src[d] * qscale;
+    }
+    // Last chunk/tree key any row of a row block can see: blocks beyond it are skipped.
+    const int nblocks_p = (L + B - 1) / B;
+    const int nblocks_t = (nq + B - 1) / B;
+    for (int blk = 0; blk < nblocks_p + nblocks_t; ++blk) {
+      const bool tree = blk >= nblocks_p;
+      const int j0 = tree ? (blk - nblocks_p) * B : blk * B;
+      const int cnt = std::min(B, (tree ? nq : L) - j0);
+      const int slot0 = tree ? L + j0 : j0;
+      const std::uint64_t valid = cnt >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << cnt) - 1;
+      bool any = !tree;
+      if (tree)
+        for (int rb = 0; rb < rows_p && !any; rb += R)
+          for (int r = rb; r < rb + R; ++r) any = any || (bits(node[static_cast<std::size_t>(r)], j0) & valid) != 0;
+      if (!any) continue;
+      // Gather the block: K transposed for the QK micro-kernel, V row-major. Padding is zero.
+      for (int k = 0; k < B; ++k) {
+        float* vrow = Vb + static_cast<std::size_t>(k) * Dz;
+        if (k < cnt) {
+          attn_load_row(kv.k_row(layer, slot0 + k, g), tmp, D);
+          for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = tmp[d];
+          attn_load_row(kv.v_row(layer, slot0 + k, g), vrow, D);
+        } else {
+          for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = 0.0f;
+          std::fill(vrow, vrow + D, 0.0f);
+        }
+      }
+      for (int rb = 0; rb < rows_p; rb += R) {
+        std::uint64_t vis[R];
+        std::uint64_t any_row = 0;
+        for (int r = 0; r < R; ++r) {
+          vis[r] = tree ? bits(node[static_cast<std::size_t>(rb + r)], j0) & valid : valid;
+          any_row |= vis[r];
+        }
+        if (any_row == 0) continue;
+        qk(Q + static_cast<std::size_t>(rb) * Dz, Kt, S);
+        softmax_update(S, vis, m.data() + rb, l.data() + rb, O + static_cast<std::size_t>(rb) * Dz);
+        pv(S, Vb, cnt, O + static_cast<std::size_t>(rb) * Dz);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int rr = r0 + r;
+      float* dst = out.data() + (static_cast<std::size_t>(rr / G) * static_cast<std::size_t>(hq) +
+                                 static_cast<std::size_t>(g * G + rr % G)) * Dz;
+      const float lr = l[static_cast<std::size_t>(r)];
+      const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;  // a query that sees nothing gets 0
+      const float* o = O + static_cast<std::size_t>(r) * Dz;
+      for (int d = 0; d < D; ++d) dst[d] = o[d] * inv;
+    }
+  }
+
+  // S[R][B] = Q[R][D] · Kt[D][B]
+  void qk(const float* Qb, const float* Kt, float* S) const noexcept {
+    constexpr int B = attn_block;
+    const auto Dz = static_cast<std::size_t>(D);
+#if MEDUSA_ATTENTION_AVX512
+    __m512 acc[attn_rows][4];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm512_setzero_ps();
+    for (std::size_t d = 0; d < Dz; ++d) {
+      const float* kt = Kt + d * B;
+      const __m512 k0 = _mm512_loadu_ps(kt), k1 = _mm512_loadu_ps(kt + 16), k2 = _mm512_loadu_ps(kt + 32),
+                   k3 = _mm512_loadu_ps(kt + 48);
+      for (int r = 0; r < attn_rows; ++r) {
+        const __m512 qv = _mm512_set1_ps(Qb[static_cast<std::size_t>(r) * Dz + d]);
+        acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(qv, k2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(qv, k3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < attn_rows; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(S + r * B + c * 16, acc[r][c]);
+#else
+    for (int r = 0; r < attn_rows * B; ++r) S[r] = 0.0f;
+    for (std::size_t d = 0; d < Dz; ++d) {
+      const float* kt = Kt + d * B;
+      const float q0 = Qb[d], q1 = Qb[Dz + d], q2 = Qb[2 * Dz + d], q3 = Qb[3 * Dz + d];
+      for (int k = 0; k < B; ++k) {
+        S[k] += q0 * kt[k];
+        S[B + k] += q1 * kt[k];
+        S[2 * B + k] += q2 * kt[k];
+        S[3 * B + k] += q3 * kt[k];
+      }
+    }
+#endif
+  }
+
+  // Online softmax: masks S, turns it into weights P (in place), rescales O, updates m and l.
+  void softmax_update(float* S, const std::uint64_t* vis, float* m, float* l, float* O) const noexcept {
+    constexpr int B = attn_block;
+    constexpr float ninf = -std::numeric_limits<float>::infinity();
+    for (int r = 0; r < attn_rows; ++r) {
+      float* s = S + r * B;
+      const std::uint64_t vb = vis[r];
+      if (vb == 0) {
+        std::fill(s, s + B, 0.0f);
+        continue;
+      }
+#if MEDUSA_ATTENTION_AVX512
+      // Masked forms with an explicit source everywhere: the plain intrinsics pass
+      // _mm512_undefined_ps() and trip g++ 12's -Wmaybe-uninitialized under -Werror.
+      constexpr auto kAll = static_cast<__mmask16>(0xFFFF);
+      __m512 sv[4];
+      __m512 mx = _mm512_set1_ps(ninf);
+      for (int c = 0; c < 4; ++c) {
+        const auto mk = static_cast<__mmask16>((vb >> (16 * c)) & 0xFFFFu);
+        sv[c] = _mm512_mask_blend_ps(mk, _mm512_set1_ps(ninf), _mm512_loadu_ps(s + 16 * c));
+        mx = _mm512_mask_max_ps(mx, kAll, mx, sv[c]);
+      }
+      const float bmax = attn_hmax(mx);
+#else
+      float bmax = ninf;
+      for (int k = 0; k < B; ++k) {
+        s[k] = ((vb >> k) & 1u) ? s[k] : ninf;
+        bmax = std::max(bmax, s[k]);
+      }
+#endif
+      if (!(bmax > ninf)) {  // all visible scores are -inf or NaN: let NaN propagate, skip -inf
+        if (std::isnan(bmax)) l[r] = bmax;
+        std::fill(s, s + B, 0.0f);
+        continue;
+      }
+      const float mnew = std::max(m[r], bmax);
+      const float alpha = m[r] == ninf ? 0.0f : attn_exp2(m[r] - mnew);
+      float sum = 0.0f;
+#if MEDUSA_ATTENTION_AVX512
+      const __m512 mn = _mm512_set1_ps(mnew);
+      const __m512 mlo = _mm512_set1_ps(-200.0f);
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        const __m512 x = _mm512_mask_max_ps(mlo, kAll, _mm512_sub_ps(sv[c], mn), mlo);
+        const __m512 n = _mm512_mask_roundscale_ps(x, kAll, x,
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 f = _mm512_sub_ps(x, n);
+        __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+        p = _mm512_mask_scalef_ps(p, kAll, p, n);  // 2^n * p, exact 0 far below
+        acc = _mm512_add_ps(acc, p);
+        _mm512_storeu_ps(s + 16 * c, p);
+      }
+      sum = attn_hsum(acc);
+#else
+      for (int k = 0; k < B; ++k) {
+        s[k] = attn_exp2(s[k] - mnew);
+        sum += s[k];
+      }
+#endif
+      l[r] = l[r] * alpha + sum;
+      m[r] = mnew;
+      if (alpha != 1.0f) {
+        float* o = O + static_cast<std::size_t>(r) * static_cast<std::size_t>(D);
+        for (int d = 0; d < D; ++d) o[d] *= alpha;
+      }
+    }
+  }
+
+  // O[R][D] += P[R][B] · Vb[B][D] over the first `cnt` keys.
+  void pv(const float* P, const float* Vb, int cnt, float* O) const noexcept {
+    constexpr int B = attn_block;
+    const auto Dz = static_cast<std::size_t>(D);
+#if MEDUSA_ATTENTION_AVX512
+    if (D % 16 == 0) {
+      std::size_t d0 = 0;
+      for (; d0 + 64 <= Dz; d0 += 64) pv_chunk<4>(P, Vb, cnt, O, d0);
+      for (; d0 < Dz; d0 += 16) pv_chunk<1>(P, Vb, cnt, O, d0);
+      return;
+    }
+#endif
+    for (int r = 0; r < attn_rows; ++r) {
+      float* o = O + static_cast<std::size_t>(r) * Dz;
+      const float* p = P + r * B;
+      for (int k = 0; k < cnt; ++k) {
+        const float w = p[k];
+        if (w == 0.0f) continue;
+        const float* v = Vb + static_cast<std::size_t>(k) * Dz;
+        for (std::size_t d = 0; d < Dz; ++d) o[d] += w * v[d];
+      }
+    }
+  }
+
+#if MEDUSA_ATTENTION_AVX512
+  template <int NC>
+  void pv_chunk(const float* P, const float* Vb, int cnt, float* O, std::size_t d0) const noexcept {
+    constexpr int B = attn_block;
+    const auto Dz = static_cast<std::size_t>(D);
+    __m512 acc[attn_rows][NC];
+    for (int r = 0; r < attn_rows; ++r)
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_loadu_ps(O + static_cast<std::size_t>(r) * Dz + d0 + 16 * c);
+    for (int k = 0; k < cnt; ++k) {
+      const float* v = Vb + static_cast<std::size_t>(k) * Dz + d0;
+      __m512 vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int r = 0; r < attn_rows; ++r) {
+        const __m512 w = _mm512_set1_ps(P[r * B + k]);
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < attn_rows; ++r)
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(O + static_cast<std::size_t>(r) * Dz + d0 + 16 * c, acc[r][c]);
+  }
+#endif
+};
+
+}  // namespace detail
+
+//! Tree (or causal) attention of `num_queries` query rows against one layer of the cache.
+//!
+//! @param kv               the cache; query `i`'s own K/V row is at slot `committed_length + i`
+//! @param layer            layer index in `kv`
+//! @param committed_length `L`: slots `[0, L)` are visible to every query
+//! @param queries          `[num_queries][num_q_heads][head_dim]` floats (RoPE already applied)
+//! @param num_queries      `N`, the tree nodes (or chunk length)
+//! @param num_q_heads      query heads, a multiple of `kv.num_kv_heads()`
+//! @param mask             `packed_tree_mask{...}` or `causal_mask{}`: which of the `N` new rows a query sees
+//! @param out              `[num_queries][num_q_heads][head_dim]`; may alias `queries` exactly
+//! @param opts             softmax scale (default `1/sqrt(head_dim)`)
+//! @param parallel_for     `parallel_for(count, body)` must call `body(i)` once for each `i < count`,
+//!                         in any order and on any threads; the default runs them in order here
+//! @throws kv_cache_error on bad shapes, a layer out of range, `L + N` beyond the capacity, a
+//!         block table that does not map `[0, L+N)`, or a mask too small for `N`.
+//! A query that sees no key at all gets a zero output.
+template <kv_view View, attention_mask Mask, class ParallelFor = sequential_for>
+void tree_attention(const View& kv, int layer, int committed_length, std::span<const float> queries, int num_queries,
+                    int num_q_heads, const Mask& mask, std::span<float> out, const attention_options& opts = {},
+                    ParallelFor&& parallel_for = {}) {
+  using detail::kv_fail;
+  const int hkv = kv.num_kv_heads();
+  const int D = kv.head_dim();
+  if (layer < 0 || layer >= kv.num_layers())
+    kv_fail(kv_errc::invalid_shape, "attention layer " + std::to_string(layer) + " outside [0, " +
+                                        std::to_string(kv.num_layers()) + ")");
+  if (committed_length < 0 || num_queries < 0)
+    kv_fail(kv_errc::invalid_length, "attention with L = " + std::to_string(committed_length) + " and " +
+                                         std::to_string(num_queries) + " queries");
+  if (num_q_heads <= 0 || num_q_heads % hkv != 0)
+    kv_fail(kv_errc::invalid_shape, "num_q_heads " + std::to_string(num_q_heads) + " is not a positive multiple of " +
+                                        std::to_string(hkv) + " KV heads");
+  if (committed_length > std::numeric_limits<int>::max() - num_queries)
+    kv_fail(kv_errc::capacity_exceeded, "L + N overflows int");
+  // capacity / block table first: it also bounds num_queries for the size arithmetic below
+  detail::kv_check_range(kv, 0, committed_length + num_queries, -1);
+  const std::size_t need = detail::kv_mul(
+      detail::kv_mul(static_cast<std::size_t>(num_queries), static_cast<std::size_t>(num_q_heads)),
+      static_cast<std::size_t>(D));
+  if (queries.size() != need || out.size() != need)
+    kv_fail(kv_errc::size_mismatch, "attention queries hold " + std::to_string(queries.size()) + " and output " +
+                                        std::to_string(out.size()) + " floats, expected " + std::to_string(num_queries) +
+                                        " x " + std::to_string(num_q_heads) + " x " + std::to_string(D) + " = " +
+                                        std::to_string(need));
+  if (out.data() != queries.data() && out.data() < queries.data() + queries.size() &&
+      queries.data() < out.data() + out.size())
+    kv_fail(kv_errc::size_mismatch, "attention output partially overlaps the queries");
+  if constexpr (std::is_same_v<Mask, packed_tree_mask>) {
+    const int wmin = (num_queries + 31) / 32;
+    if (mask.words_per_row < wmin ||
+        mask.words.size() / static_cast<std::size_t>(std::max(1, mask.words_per_row)) <
+            static_cast<std::size_t>(num_queries))
+      kv_fail(kv_errc::size_mismatch, "packed tree mask of " + std::to_string(mask.words.size()) + " words, " +
+                                          std::to_string(mask.words_per_row) + " per row, is too small for " +
+                                          std::to_string(num_queries) + " nodes (needs " + std::to_string(wmin) +
+                                          " words per row)");
+  }
+  if (!(std::isfinite(opts.scale)))
+    kv_fail(kv_errc::invalid_shape, "attention scale is not finite");
+  if (num_queries == 0) return;
+
+  const float scale = opts.scale != 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(D));
+  const int G = num_q_heads / hkv;
+  if (static_cast<std::size_t>(num_queries) * static_cast<std::size_t>(G) >
+      static_cast<std::size_t>(std::numeric_limits<int>::max() / 2))
+    kv_fail(kv_errc::invalid_shape, "attention with " + std::to_string(num_queries) + " queries x " +
+                                        std::to_string(G) + " heads per group is too large");
+  const detail::attn_task<View, Mask> task{kv, layer, committed_length, num_queries, num_q_heads, G, D,
+                                           scale * 1.4426950408889634f, mask, queries, out};
+  // Tasks: every KV head, its rows split further when there are fewer than 4 KV heads so that a
+  // caller's thread pool still has work to share.
+  const int rows = num_queries * G;
+  int chunks = 1;
+  if (hkv < 4) chunks = std::max(1, std::min((4 + hkv - 1) / hkv, rows / 16));
+  const int per = ((rows + chunks - 1) / chunks + detail::attn_rows - 1) / detail::attn_rows * detail::attn_rows;
+  chunks = (rows + per - 1) / per;
+  parallel_for(hkv * chunks, [&task, chunks, per, rows](int t) {
+    const int g = t / chunks;
+    const int r0 = (t % chunks) * per;
+    task.run(g, r0, std::min(rows, r0 + per));
+  });
+}
+
+//! @overload for any tree with `num_nodes()`, `words_per_row()` and `packed_mask_word(row, word)`
+//! (e.g. `medusa::tree`): `N = tree.num_nodes()`.
+template <kv_view View, attention_tree Tree, class ParallelFor = sequential_for>
+void tree_attention(const View& kv, int layer, int committed_length, std::span<const float> queries, int num_q_heads,
+                    const Tree& tree, std::span<float> out, const attention_options& opts = {},
+                    ParallelFor&& parallel_for = {}) {
+  const int n = static_cast<int>(tree.num_nodes());
+  const int wpr = static_cast<int>(tree.words_per_row());
+  if (n < 0 || wpr < (n + 31) / 32)
+    detail::kv_fail(kv_errc::size_mismatch,
+                    "tree with " + std::to_string(n) + " nodes reports " + std::to_string(wpr) + " mask words per row");
+  std::vector<std::uint32_t> words(static_cast<std::size_t>(n) * static_cast<std::size_t>(wpr));
+  for (int i = 0; i < n; ++i)
+    for (int w = 0; w < wpr; ++w)
+      words[static_cast<std::size_t>(i) * static_cast<std::size_t>(wpr) + static_cast<std::size_t>(w)] =
+          static_cast<std::uint32_t>(tree.packed_mask_word(i, w));
+  tree_attention(kv, layer, committed_length, queries, n, num_q_heads, packed_tree_mask{words, wpr}, out, opts,
+                 static_cast<ParallelFor&&>(parallel_for));
+}
+
+//! Plain causal attention of a chunk of `num_queries` tokens at slots `[L, L+num_queries)`
+//! (prefill, or decode with one query): `tree_attention` with `causal_mask{}`.
+template <kv_view View, class ParallelFor = sequential_for>
+void causal_attention(const View& kv, int layer, int committed_length, std::span<const float> queries,
+                      int num_queries, int num_q_heads, std::span<float> out, const attention_options& opts = {},
+                      ParallelFor&& parallel_for = {}) {
+  tree_attention(kv, layer, committed_length, queries, num_queries, num_q_heads, causal_mask{}, out, opts,
+                 static_cast<ParallelFor&&>(parallel_for));
+}
+
+MEDUSA_NAMESPACE_END
