@@ -18,3 +18,4 @@
 #include <medusa/half.hpp>
 #include <medusa/kv_cache.hpp>
 #include <medusa/attention.hpp>
+#include <medusa/decoder.hpp>
