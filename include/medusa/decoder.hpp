@@ -89,18 +89,25 @@ concept draft_heads = requires(H& h, std::span<const float> hidden, std::span<fl
 };
 
 //! Adapts a `head_stack` (heads.hpp) and a GEMM policy to `draft_heads`: one hidden state in,
-//! `[H][V]` logits out.
+//! `[H][V]` logits out. Owns the stack's forward workspace, sized once.
 template <class Stack, class Gemm>
-struct head_stack_runner {
-  const Stack* stack;  //!< the heads (not owned)
-  Gemm* gemm;          //!< the GEMM policy (not owned)
+class head_stack_runner {
+ public:
+  //! Neither `stack` nor `gemm` is owned; both must outlive the runner.
+  head_stack_runner(const Stack* stack, Gemm* gemm)
+      : stack_(stack), gemm_(gemm), workspace_(stack->workspace_size(1)) {}
 
   //! Number of heads of the stack.
-  [[nodiscard]] int num_heads() const { return static_cast<int>(stack->num_heads()); }
+  [[nodiscard]] int num_heads() const { return static_cast<int>(stack_->num_heads()); }
   //! Head logits of one hidden state.
-  void forward(std::span<const float> hidden, std::span<float> logits) const {
-    stack->forward(*gemm, hidden, 1, logits);
+  void forward(std::span<const float> hidden, std::span<float> logits) {
+    stack_->forward(*gemm_, hidden, 1, logits, workspace_);
   }
+
+ private:
+  const Stack* stack_;
+  Gemm* gemm_;
+  std::vector<float> workspace_;
 };
 
 // ------------------------------------------------------------------------------------------------

@@ -19,3 +19,7 @@
 #include <medusa/kv_cache.hpp>
 #include <medusa/attention.hpp>
 #include <medusa/decoder.hpp>
+#include <medusa/gemm.hpp>
+#include <medusa/heads.hpp>
+#include <medusa/io/safetensors.hpp>
+#include <medusa/io/head_checkpoint.hpp>
