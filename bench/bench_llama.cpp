@@ -1,0 +1,174 @@
+// SPDX-License-Identifier: Apache-2.0
+// The example CPU Llama engine on pycode-15m (60 MB of float32 weights):
+//  * BM_decode: vanilla single-token decode at a context of 128, with the fraction of the
+//    bandwidth roofline it reaches (weight bytes ÷ measured read bandwidth ÷ time per token);
+//  * BM_tree_step: one forward of N tree tokens (a random tree, N = 1..64) at a context of 128, and
+//    its cost relative to N = 1 (the denominator of Medusa's speedup).
+// Set MEDUSA_SHARED_DIR to point elsewhere; skipped when the model is absent.
+#include <medusa_llama/llama.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace medusa_llama;
+constexpr int kContext = 128;
+
+std::filesystem::path model_path() {
+  const char* env = std::getenv("MEDUSA_SHARED_DIR");
+  return std::filesystem::path(env != nullptr ? env : MEDUSA_SHARED_DIR) / "models/pycode-15m/model.bin";
+}
+
+const model* pycode() {
+  static const std::optional<model> m = []() -> std::optional<model> {
+    if (!std::filesystem::exists(model_path())) return std::nullopt;
+    return model::load_llama2c(model_path());
+  }();
+  return m ? &*m : nullptr;
+}
+
+// Read bandwidth in bytes/s over the weights themselves (2 threads, best of 5 passes).
+double weight_bandwidth(const model& m, int threads) {
+  static std::map<int, double> cache;
+  if (auto it = cache.find(threads); it != cache.end()) return it->second;
+  const float* p = m.token_embedding();  // the mapping starts with the embedding: all weights follow
+  const std::size_t n = m.weight_bytes() / sizeof(float);
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    std::vector<double> part(static_cast<std::size_t>(threads));
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> th;
+    auto sum = [&](int t) {
+      const std::size_t lo = n * static_cast<std::size_t>(t) / static_cast<std::size_t>(threads);
+      const std::size_t hi = n * static_cast<std::size_t>(t + 1) / static_cast<std::size_t>(threads);
+      float s[16] = {};
+      for (std::size_t i = lo; i + 16 <= hi; i += 16)
+        for (int k = 0; k < 16; ++k) s[k] += p[i + static_cast<std::size_t>(k)];
+      double r = 0;
+      for (float x : s) r += x;
+      part[static_cast<std::size_t>(t)] = r;
+    };
+    for (int t = 1; t < threads; ++t) th.emplace_back(sum, t);
+    sum(0);
+    for (auto& x : th) x.join();
+    benchmark::DoNotOptimize(part.data());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, static_cast<double>(m.weight_bytes()) / s);
+  }
+  return cache[threads] = best;
+}
+
+std::vector<int> context_tokens() {
+  std::mt19937 rng(11);
+  std::vector<int> t(kContext);
+  t[0] = 1;
+  for (int i = 1; i < kContext; ++i) t[static_cast<std::size_t>(i)] = 259 + static_cast<int>(rng() % 1789);
+  return t;
+}
+
+void BM_decode(benchmark::State& state) {
+  const model* m = pycode();
+  if (m == nullptr) {
+    state.SkipWithError("pycode-15m is absent (set MEDUSA_SHARED_DIR)");
+    return;
+  }
+  const int threads = static_cast<int>(state.range(0));
+  engine e(*m, {.capacity = 512, .threads = threads});
+  std::vector<float> logits(static_cast<std::size_t>(m->config().vocab_size));
+  e.prefill(context_tokens(), 0, logits, {});
+  int tok = 300;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    e.truncate(kContext);
+    e.decode(tok, kContext, logits);
+    tok = 259 + argmax(logits) % 1789;
+  }
+  const double per_token = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+                           static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
+  const double bw = weight_bandwidth(*m, 2);
+  // roofline time (weight bytes ÷ bandwidth) ÷ measured time per token; the goal is ≥ 0.6
+  state.counters["roofline_fraction"] = static_cast<double>(m->weight_bytes()) / bw / per_token;
+  state.counters["weight_MB"] = static_cast<double>(m->weight_bytes()) / 1e6;
+  state.counters["bandwidth_GBps"] = bw / 1e9;
+  // seconds per token at the roofline; the fraction is roofline time ÷ measured time per token
+  state.counters["roofline_ms"] = 1e3 * static_cast<double>(m->weight_bytes()) / bw;
+  state.counters["tok_per_s"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_decode)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// A random tree of N nodes (parents uniformly among earlier nodes, so depth grows like log N)
+// packed as the engine's mask rows.
+std::vector<std::uint32_t> random_tree(int n, std::vector<int>& depth) {
+  std::mt19937 rng(static_cast<unsigned>(n));
+  const int w = (n + 31) / 32;
+  std::vector<std::uint32_t> mask(static_cast<std::size_t>(n * w), 0);
+  std::vector<int> parent(static_cast<std::size_t>(n), -1);
+  depth.assign(static_cast<std::size_t>(n), 0);
+  for (int i = 1; i < n; ++i) {
+    parent[static_cast<std::size_t>(i)] = static_cast<int>(rng() % static_cast<unsigned>(i));
+    depth[static_cast<std::size_t>(i)] = depth[static_cast<std::size_t>(parent[static_cast<std::size_t>(i)])] + 1;
+  }
+  for (int i = 0; i < n; ++i)
+    for (int j = i; j >= 0; j = parent[static_cast<std::size_t>(j)])
+      mask[static_cast<std::size_t>(i * w + j / 32)] |= 1u << (j % 32);
+  return mask;
+}
+
+void BM_tree_step(benchmark::State& state) {
+  const model* m = pycode();
+  if (m == nullptr) {
+    state.SkipWithError("pycode-15m is absent (set MEDUSA_SHARED_DIR)");
+    return;
+  }
+  const int n = static_cast<int>(state.range(0));
+  const auto backend = static_cast<gemm_backend>(state.range(1));
+  engine e(*m, {.capacity = 512, .max_batch = 64, .threads = 2, .backend = backend});
+  const auto V = static_cast<std::size_t>(m->config().vocab_size);
+  std::vector<float> last(V);
+  e.prefill(context_tokens(), 0, last, {});
+  std::vector<int> depth;
+  const auto mask = random_tree(n, depth);
+  std::vector<int> tok(static_cast<std::size_t>(n)), pos(tok.size()), slot(tok.size()), rows(tok.size());
+  for (int i = 0; i < n; ++i) {
+    const auto u = static_cast<std::size_t>(i);
+    tok[u] = 259 + (i * 37) % 1789;
+    pos[u] = kContext + depth[u];
+    slot[u] = kContext + i;
+    rows[u] = i;
+  }
+  std::vector<float> logits(static_cast<std::size_t>(n) * V), hidden(static_cast<std::size_t>(n) * static_cast<std::size_t>(m->config().dim));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    e.truncate(kContext);
+    e.forward(tok, pos, slot, mask_source::tree(kContext, mask), {rows, logits, hidden});
+    benchmark::DoNotOptimize(logits.data());
+  }
+  const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+                          static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
+  // The cost curve time(N) / time(1), relative to the N = 1 run of this process (same backend).
+  static std::map<long, double> one;
+  if (n == 1) one[state.range(1)] = per_step;
+  if (auto it = one.find(static_cast<long>(gemm_backend::automatic)); it != one.end())
+    state.counters["cost_vs_N1"] = per_step / it->second;
+  state.counters["tokens"] = n;
+  state.counters["tok_per_s"] = benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_tree_step)
+    ->ArgsProduct({{1, 4, 8, 16, 32, 64}, {static_cast<long>(gemm_backend::automatic)}})
+    ->ArgsProduct({{4, 16, 64}, {static_cast<long>(gemm_backend::blas)}})
+    ->ArgNames({"N", "backend"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+}  // namespace

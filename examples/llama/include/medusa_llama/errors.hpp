@@ -1,0 +1,68 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file errors.hpp
+//! Typed exceptions of the example Llama engine.
+//!
+//! Loading problems (unreadable, truncated or inconsistent checkpoints and tokenizers) throw
+//! `load_error` (a `medusa::io_error`); bad arguments to the engine (token ids, positions, slots,
+//! masks, output buffers) throw `engine_error` (a `medusa::invalid_input`).
+#pragma once
+
+#include <medusa/error.hpp>
+
+#include <string>
+
+namespace medusa_llama {
+
+//! What went wrong while loading a model or tokenizer.
+enum class load_errc {
+  open_failed,     //!< the file cannot be opened or mapped
+  truncated,       //!< the file ends before the data its header announces
+  size_mismatch,   //!< the file is longer than its header announces, or a tensor has the wrong shape
+  bad_header,      //!< a header field is out of range or inconsistent
+  bad_json,        //!< a JSON file cannot be parsed or lacks a field
+  missing_tensor,  //!< a required tensor is absent
+  unsupported,     //!< a valid but unsupported feature (dtype, activation, RoPE scaling, ...)
+  bad_tokenizer,   //!< a malformed tokenizer file
+};
+
+//! Name of a `load_errc` value ("truncated", ...).
+[[nodiscard]] const char* to_string(load_errc code) noexcept;
+
+//! A checkpoint or tokenizer could not be loaded; `what()` names the file and the numbers involved.
+class load_error : public medusa::io_error {
+ public:
+  load_error(load_errc code, const std::string& path, const std::string& what)
+      : medusa::io_error(path + ": " + what), code_(code), path_(path) {}
+  //! The kind of failure.
+  [[nodiscard]] load_errc code() const noexcept { return code_; }
+  //! The file that failed.
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+
+ private:
+  load_errc code_;
+  std::string path_;
+};
+
+//! What was wrong with the arguments of an engine call.
+enum class engine_errc {
+  bad_batch,       //!< empty batch, too many tokens, or spans of different lengths
+  bad_token,       //!< token id outside [0, vocab_size)
+  bad_position,    //!< position outside [0, seq_len)
+  bad_slot,        //!< KV slot outside [0, capacity), repeated, or inside the attended prefix
+  bad_mask,        //!< mask of the wrong size, prefix beyond the cache length, or a row that cannot see itself
+  bad_output,      //!< output row out of range or output buffer of the wrong size
+  bad_option,      //!< an engine or generation option out of range
+};
+
+//! Bad arguments to the engine.
+class engine_error : public medusa::invalid_input {
+ public:
+  engine_error(engine_errc code, const std::string& what) : medusa::invalid_input(what), code_(code) {}
+  //! The kind of failure.
+  [[nodiscard]] engine_errc code() const noexcept { return code_; }
+
+ private:
+  engine_errc code_;
+};
+
+}  // namespace medusa_llama

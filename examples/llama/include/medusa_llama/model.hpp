@@ -1,0 +1,108 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file model.hpp
+//! Llama-family model weights: configuration, loaders for llama2.c and Hugging Face checkpoints.
+//!
+//! A `model` is an immutable set of float32 weights plus its `model_config`. It is cheap to copy:
+//! copies share the storage (a read-only memory map of the checkpoint, or an owned buffer).
+//!
+//! @code
+//! auto m = medusa_llama::model::load_llama2c("stories260K.bin");
+//! medusa_llama::engine e(m);
+//! @endcode
+#pragma once
+
+#include <medusa_llama/errors.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+namespace medusa_llama {
+
+//! How RoPE pairs the dimensions of a head.
+enum class rope_style {
+  adjacent_pairs,  //!< (0,1), (2,3), ...: llama2.c and Meta checkpoints
+  split_halves,    //!< (i, i + head_dim/2): Hugging Face `rotate_half`
+};
+
+//! Shape and hyper-parameters of a Llama model.
+struct model_config {
+  int dim = 0;          //!< model width
+  int hidden_dim = 0;   //!< SwiGLU FFN width
+  int n_layers = 0;     //!< transformer blocks
+  int n_heads = 0;      //!< query heads
+  int n_kv_heads = 0;   //!< key/value heads (GQA when < n_heads)
+  int vocab_size = 0;   //!< vocabulary size
+  int seq_len = 0;      //!< maximum position + 1
+  float rms_eps = 1e-5f;        //!< RMSNorm epsilon
+  float rope_theta = 10000.0f;  //!< RoPE base
+  rope_style rope = rope_style::adjacent_pairs;  //!< RoPE pairing
+  bool shared_classifier = true;  //!< classifier tied to the token embedding
+
+  //! Width of one head.
+  [[nodiscard]] int head_dim() const noexcept { return n_heads > 0 ? dim / n_heads : 0; }
+  //! Width of all key (or value) heads of one token.
+  [[nodiscard]] int kv_dim() const noexcept { return head_dim() * n_kv_heads; }
+  //! Throws `load_error` (`bad_header`) naming the first inconsistent field; `origin` names the file.
+  void validate(const std::string& origin) const;
+  //! Number of float32 parameters (the classifier counted once when shared).
+  [[nodiscard]] std::uint64_t parameter_count() const noexcept;
+};
+
+//! Pointers to one transformer block's weights (row-major `[out][in]`).
+struct layer_weights {
+  const float* rms_att = nullptr;  //!< `[dim]`
+  const float* wq = nullptr;       //!< `[dim][dim]`
+  const float* wk = nullptr;       //!< `[kv_dim][dim]`
+  const float* wv = nullptr;       //!< `[kv_dim][dim]`
+  const float* wo = nullptr;       //!< `[dim][dim]`
+  const float* rms_ffn = nullptr;  //!< `[dim]`
+  const float* w1 = nullptr;       //!< gate `[hidden][dim]`
+  const float* w2 = nullptr;       //!< down `[dim][hidden]`
+  const float* w3 = nullptr;       //!< up `[hidden][dim]`
+};
+
+//! Immutable float32 weights of a Llama model.
+class model {
+ public:
+  //! Loads a llama2.c checkpoint (legacy "version 0": 7 × int32 header then float32 weights in
+  //! run.c order), memory-mapped. Throws `load_error` on any inconsistency.
+  static model load_llama2c(const std::filesystem::path& path);
+  //! Loads a Hugging Face Llama directory (`config.json` + `model.safetensors`). F32 tensors are
+  //! mapped, BF16/F16 converted. Throws `load_error`.
+  static model load_hf(const std::filesystem::path& dir);
+  //! A model with random weights (seeded; uniform in ±`scale`, norms around 1), for tests.
+  static model random(const model_config& config, std::uint64_t seed, float scale = 0.1f);
+
+  //! Writes the model as a llama2.c checkpoint (negative vocab when the classifier is separate,
+  //! RoPE tables zero-filled). Only adjacent-pair RoPE models round-trip through this format.
+  void save_llama2c(const std::filesystem::path& path) const;
+
+  //! The configuration.
+  [[nodiscard]] const model_config& config() const noexcept { return config_; }
+  //! `[vocab][dim]` token embedding.
+  [[nodiscard]] const float* token_embedding() const noexcept { return embedding_; }
+  //! Weights of block `l` (unchecked index).
+  [[nodiscard]] const layer_weights& layer(int l) const noexcept { return layers_[static_cast<std::size_t>(l)]; }
+  //! `[dim]` final RMSNorm weights.
+  [[nodiscard]] const float* rms_final() const noexcept { return rms_final_; }
+  //! `[vocab][dim]` classifier (the embedding when shared).
+  [[nodiscard]] const float* classifier() const noexcept { return classifier_; }
+  //! Bytes of weights one decoding step streams (all block matrices, norms and the classifier).
+  [[nodiscard]] std::size_t weight_bytes() const noexcept;
+
+ private:
+  model() = default;
+  void bind_llama2c(const float* data);  // pointers in run.c order
+
+  model_config config_;
+  std::shared_ptr<const void> storage_;
+  const float* embedding_ = nullptr;
+  const float* rms_final_ = nullptr;
+  const float* classifier_ = nullptr;
+  std::vector<layer_weights> layers_;
+};
+
+}  // namespace medusa_llama

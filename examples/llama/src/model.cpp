@@ -1,0 +1,370 @@
+// SPDX-License-Identifier: Apache-2.0
+// Model loaders: llama2.c checkpoints (memory-mapped) and Hugging Face Llama directories.
+#include <medusa_llama/model.hpp>
+
+#include "safetensors_reader.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static_assert(std::endian::native == std::endian::little, "checkpoints are little-endian");
+
+namespace medusa_llama {
+
+const char* to_string(load_errc code) noexcept {
+  switch (code) {
+    case load_errc::open_failed: return "open_failed";
+    case load_errc::truncated: return "truncated";
+    case load_errc::size_mismatch: return "size_mismatch";
+    case load_errc::bad_header: return "bad_header";
+    case load_errc::bad_json: return "bad_json";
+    case load_errc::missing_tensor: return "missing_tensor";
+    case load_errc::unsupported: return "unsupported";
+    case load_errc::bad_tokenizer: return "bad_tokenizer";
+  }
+  return "unknown";
+}
+
+namespace detail {
+
+// Read-only private mapping of a whole file; unmapped when the last model copy goes away.
+class mapped_file {
+ public:
+  explicit mapped_file(const std::filesystem::path& path) {
+    const std::string p = path.string();
+    fd_ = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw load_error(load_errc::open_failed, p, std::string("cannot open: ") + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      throw load_error(load_errc::open_failed, p, "not a regular file");
+    }
+    size_ = static_cast<std::size_t>(st.st_size);
+    if (size_ > 0) {
+      void* addr = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd_, 0);
+      if (addr == MAP_FAILED) {
+        ::close(fd_);
+        throw load_error(load_errc::open_failed, p, std::string("cannot map: ") + std::strerror(errno));
+      }
+      data_ = static_cast<const unsigned char*>(addr);
+    }
+  }
+  mapped_file(const mapped_file&) = delete;
+  mapped_file& operator=(const mapped_file&) = delete;
+  ~mapped_file() {
+    if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), size_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+  [[nodiscard]] const unsigned char* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+
+ private:
+  int fd_ = -1;
+  const unsigned char* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+// Offsets (in floats) of every array of a llama2.c checkpoint, after the 28-byte header.
+struct llama2c_layout {
+  std::uint64_t emb, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, rope, cls, total;
+};
+
+llama2c_layout layout_of(const model_config& c) {
+  const std::uint64_t d = static_cast<std::uint64_t>(c.dim), h = static_cast<std::uint64_t>(c.hidden_dim),
+                      L = static_cast<std::uint64_t>(c.n_layers), V = static_cast<std::uint64_t>(c.vocab_size),
+                      kv = static_cast<std::uint64_t>(c.kv_dim()), hd = static_cast<std::uint64_t>(c.head_dim()),
+                      S = static_cast<std::uint64_t>(c.seq_len);
+  llama2c_layout l{};
+  std::uint64_t o = 0;
+  l.emb = o; o += V * d;
+  l.rms_att = o; o += L * d;
+  l.wq = o; o += L * d * d;
+  l.wk = o; o += L * kv * d;
+  l.wv = o; o += L * kv * d;
+  l.wo = o; o += L * d * d;
+  l.rms_ffn = o; o += L * d;
+  l.w1 = o; o += L * h * d;
+  l.w2 = o; o += L * d * h;
+  l.w3 = o; o += L * h * d;
+  l.rms_final = o; o += d;
+  l.rope = o; o += S * hd;  // freq_cis_real and freq_cis_imag, [seq_len][head_dim/2] each
+  l.cls = o; o += c.shared_classifier ? 0 : V * d;
+  l.total = o;
+  return l;
+}
+
+constexpr std::size_t llama2c_header_bytes = 7 * sizeof(std::int32_t);
+
+}  // namespace detail
+
+void model_config::validate(const std::string& origin) const {
+  auto fail = [&](const std::string& msg) { throw load_error(load_errc::bad_header, origin, msg); };
+  auto in_range = [&](const char* name, int v, int hi) {
+    if (v <= 0 || v > hi) fail(std::string(name) + " = " + std::to_string(v) + " is outside [1, " + std::to_string(hi) + "]");
+  };
+  // The bounds keep every size product far below 2^63 and reject garbage headers early.
+  in_range("dim", dim, 1 << 16);
+  in_range("hidden_dim", hidden_dim, 1 << 18);
+  in_range("n_layers", n_layers, 1 << 10);
+  in_range("n_heads", n_heads, 1 << 10);
+  in_range("n_kv_heads", n_kv_heads, 1 << 10);
+  in_range("vocab_size", vocab_size, 1 << 22);
+  in_range("seq_len", seq_len, 1 << 20);
+  if (dim % n_heads != 0) fail("dim " + std::to_string(dim) + " is not a multiple of n_heads " + std::to_string(n_heads));
+  if (n_heads % n_kv_heads != 0)
+    fail("n_heads " + std::to_string(n_heads) + " is not a multiple of n_kv_heads " + std::to_string(n_kv_heads));
+  if (head_dim() % 2 != 0) fail("head_dim " + std::to_string(head_dim()) + " is odd; RoPE needs pairs");
+  if (!(rms_eps > 0.0f) || !std::isfinite(rms_eps)) fail("rms_eps " + std::to_string(rms_eps) + " must be positive");
+  if (!(rope_theta > 1.0f) || !std::isfinite(rope_theta)) fail("rope_theta " + std::to_string(rope_theta) + " must be > 1");
+}
+
+std::uint64_t model_config::parameter_count() const noexcept {
+  auto l = detail::layout_of(*this);
+  return l.total - static_cast<std::uint64_t>(seq_len) * static_cast<std::uint64_t>(head_dim());
+}
+
+std::size_t model::weight_bytes() const noexcept {
+  const auto& c = config_;
+  const std::size_t d = static_cast<std::size_t>(c.dim), h = static_cast<std::size_t>(c.hidden_dim),
+                    kv = static_cast<std::size_t>(c.kv_dim());
+  const std::size_t per_layer = 2 * d + 2 * d * d + 2 * kv * d + 3 * h * d;
+  return sizeof(float) * (static_cast<std::size_t>(c.n_layers) * per_layer + d +
+                          static_cast<std::size_t>(c.vocab_size) * d);
+}
+
+void model::bind_llama2c(const float* base) {
+  const auto l = detail::layout_of(config_);
+  const auto& c = config_;
+  const std::size_t d = static_cast<std::size_t>(c.dim), h = static_cast<std::size_t>(c.hidden_dim),
+                    kv = static_cast<std::size_t>(c.kv_dim());
+  embedding_ = base + l.emb;
+  layers_.assign(static_cast<std::size_t>(c.n_layers), {});
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    auto& w = layers_[i];
+    w.rms_att = base + l.rms_att + i * d;
+    w.wq = base + l.wq + i * d * d;
+    w.wk = base + l.wk + i * kv * d;
+    w.wv = base + l.wv + i * kv * d;
+    w.wo = base + l.wo + i * d * d;
+    w.rms_ffn = base + l.rms_ffn + i * d;
+    w.w1 = base + l.w1 + i * h * d;
+    w.w2 = base + l.w2 + i * d * h;
+    w.w3 = base + l.w3 + i * h * d;
+  }
+  rms_final_ = base + l.rms_final;
+  classifier_ = c.shared_classifier ? embedding_ : base + l.cls;
+}
+
+model model::load_llama2c(const std::filesystem::path& path) {
+  const std::string p = path.string();
+  auto file = std::make_shared<detail::mapped_file>(path);
+  if (file->size() < detail::llama2c_header_bytes)
+    throw load_error(load_errc::truncated, p,
+                     "file has " + std::to_string(file->size()) + " bytes, less than the 28-byte llama2.c header");
+  std::int32_t h[7];
+  std::memcpy(h, file->data(), sizeof h);
+  model m;
+  auto& c = m.config_;
+  c.dim = h[0];
+  c.hidden_dim = h[1];
+  c.n_layers = h[2];
+  c.n_heads = h[3];
+  c.n_kv_heads = h[4];
+  c.shared_classifier = h[5] > 0;
+  c.vocab_size = h[5] == INT32_MIN ? 0 : (h[5] < 0 ? -h[5] : h[5]);
+  c.seq_len = h[6];
+  c.rope = rope_style::adjacent_pairs;
+  c.validate(p);
+  const auto l = detail::layout_of(c);
+  const std::uint64_t want = detail::llama2c_header_bytes + l.total * sizeof(float);
+  if (file->size() < want)
+    throw load_error(load_errc::truncated, p,
+                     "file has " + std::to_string(file->size()) + " bytes but its header (dim " + std::to_string(c.dim) +
+                         ", hidden " + std::to_string(c.hidden_dim) + ", layers " + std::to_string(c.n_layers) +
+                         ", vocab " + std::to_string(c.vocab_size) + ", seq_len " + std::to_string(c.seq_len) +
+                         ") needs " + std::to_string(want));
+  if (file->size() != want)
+    throw load_error(load_errc::size_mismatch, p,
+                     "file has " + std::to_string(file->size()) + " bytes but its header announces " +
+                         std::to_string(want) + " (" + std::to_string(file->size() - want) + " trailing bytes)");
+  // The mapping is page-aligned and the header is 28 bytes, so the floats are 4-byte aligned.
+  m.bind_llama2c(reinterpret_cast<const float*>(file->data() + detail::llama2c_header_bytes));
+  m.storage_ = std::move(file);
+  return m;
+}
+
+model model::random(const model_config& config, std::uint64_t seed, float scale) {
+  config.validate("model::random");
+  model m;
+  m.config_ = config;
+  const auto l = detail::layout_of(config);
+  auto buf = std::make_shared<std::vector<float>>(l.total);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  for (auto& x : *buf) x = u(rng);
+  auto norms = [&](std::uint64_t off, std::uint64_t n) {
+    std::uniform_real_distribution<float> g(0.8f, 1.2f);
+    for (std::uint64_t i = 0; i < n; ++i) (*buf)[off + i] = g(rng);
+  };
+  const auto d = static_cast<std::uint64_t>(config.dim), L = static_cast<std::uint64_t>(config.n_layers);
+  norms(l.rms_att, L * d);
+  norms(l.rms_ffn, L * d);
+  norms(l.rms_final, d);
+  std::fill(buf->begin() + static_cast<std::ptrdiff_t>(l.rope), buf->begin() + static_cast<std::ptrdiff_t>(l.cls), 0.0f);
+  m.bind_llama2c(buf->data());
+  m.storage_ = std::move(buf);
+  return m;
+}
+
+void model::save_llama2c(const std::filesystem::path& path) const {
+  const auto& c = config_;
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw load_error(load_errc::open_failed, path.string(), "cannot create file");
+  const std::int32_t h[7] = {c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,
+                             c.shared_classifier ? c.vocab_size : -c.vocab_size, c.seq_len};
+  out.write(reinterpret_cast<const char*>(h), sizeof h);
+  const std::size_t d = static_cast<std::size_t>(c.dim), hd = static_cast<std::size_t>(c.hidden_dim),
+                    kv = static_cast<std::size_t>(c.kv_dim()), V = static_cast<std::size_t>(c.vocab_size);
+  auto put = [&](const float* p, std::size_t n) {
+    out.write(reinterpret_cast<const char*>(p), static_cast<std::streamsize>(n * sizeof(float)));
+  };
+  put(embedding_, V * d);
+  for (const auto& w : layers_) put(w.rms_att, d);
+  for (const auto& w : layers_) put(w.wq, d * d);
+  for (const auto& w : layers_) put(w.wk, kv * d);
+  for (const auto& w : layers_) put(w.wv, kv * d);
+  for (const auto& w : layers_) put(w.wo, d * d);
+  for (const auto& w : layers_) put(w.rms_ffn, d);
+  for (const auto& w : layers_) put(w.w1, hd * d);
+  for (const auto& w : layers_) put(w.w2, d * hd);
+  for (const auto& w : layers_) put(w.w3, hd * d);
+  put(rms_final_, d);
+  const std::vector<float> rope(static_cast<std::size_t>(c.seq_len) * static_cast<std::size_t>(c.head_dim()), 0.0f);
+  put(rope.data(), rope.size());
+  if (!c.shared_classifier) put(classifier_, V * d);
+  if (!out) throw load_error(load_errc::open_failed, path.string(), "write failed");
+}
+
+// --- Hugging Face ---------------------------------------------------------------------------------
+
+namespace {
+
+nlohmann::json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw load_error(load_errc::open_failed, path.string(), "cannot open");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw load_error(load_errc::bad_json, path.string(), std::string("invalid JSON: ") + e.what());
+  }
+}
+
+template <class T>
+T json_field(const nlohmann::json& j, const char* key, const std::string& origin) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) throw load_error(load_errc::bad_json, origin, std::string("missing field \"") + key + "\"");
+  try {
+    return it->get<T>();
+  } catch (const nlohmann::json::exception& e) {
+    throw load_error(load_errc::bad_json, origin, std::string("field \"") + key + "\" has the wrong type: " + e.what());
+  }
+}
+
+template <class T>
+T json_field_or(const nlohmann::json& j, const char* key, T fallback, const std::string& origin) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  return json_field<T>(j, key, origin);
+}
+
+int json_int(const nlohmann::json& j, const char* key, const std::string& origin) {
+  const auto v = json_field<std::int64_t>(j, key, origin);
+  if (v <= 0 || v > (1 << 30))
+    throw load_error(load_errc::bad_header, origin, std::string("\"") + key + "\" = " + std::to_string(v) + " is out of range");
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+model model::load_hf(const std::filesystem::path& dir) {
+  const auto cfg_path = dir / "config.json";
+  const std::string cp = cfg_path.string();
+  const auto j = read_json(cfg_path);
+  if (!j.is_object()) throw load_error(load_errc::bad_json, cp, "top level is not an object");
+  const auto type = json_field_or<std::string>(j, "model_type", "llama", cp);
+  if (type != "llama" && type != "mistral")
+    throw load_error(load_errc::unsupported, cp, "model_type \"" + type + "\" is not a Llama model");
+  model m;
+  auto& c = m.config_;
+  c.dim = json_int(j, "hidden_size", cp);
+  c.hidden_dim = json_int(j, "intermediate_size", cp);
+  c.n_layers = json_int(j, "num_hidden_layers", cp);
+  c.n_heads = json_int(j, "num_attention_heads", cp);
+  c.n_kv_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
+                     ? json_int(j, "num_key_value_heads", cp)
+                     : c.n_heads;
+  c.vocab_size = json_int(j, "vocab_size", cp);
+  c.seq_len = json_int(j, "max_position_embeddings", cp);
+  c.rms_eps = static_cast<float>(json_field_or<double>(j, "rms_norm_eps", 1e-6, cp));
+  c.rope_theta = static_cast<float>(json_field_or<double>(j, "rope_theta", 10000.0, cp));
+  c.shared_classifier = json_field_or<bool>(j, "tie_word_embeddings", false, cp);
+  c.rope = rope_style::split_halves;
+  if (const auto act = json_field_or<std::string>(j, "hidden_act", "silu", cp); act != "silu")
+    throw load_error(load_errc::unsupported, cp, "hidden_act \"" + act + "\" (only silu)");
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
+    throw load_error(load_errc::unsupported, cp, "rope_scaling is not supported");
+  if (json_field_or<bool>(j, "attention_bias", false, cp) || json_field_or<bool>(j, "mlp_bias", false, cp))
+    throw load_error(load_errc::unsupported, cp, "attention or MLP biases are not supported");
+  c.validate(cp);
+  if (j.contains("head_dim") && !j["head_dim"].is_null() && json_int(j, "head_dim", cp) != c.head_dim())
+    throw load_error(load_errc::unsupported, cp, "head_dim " + std::to_string(json_int(j, "head_dim", cp)) +
+                                                     " differs from hidden_size / num_attention_heads = " +
+                                                     std::to_string(c.head_dim()));
+
+  const auto st_path = dir / "model.safetensors";
+  const detail::safetensors_file st(st_path);
+  const auto l = detail::layout_of(c);
+  auto buf = std::make_shared<std::vector<float>>(l.total, 0.0f);
+  const std::size_t d = static_cast<std::size_t>(c.dim), h = static_cast<std::size_t>(c.hidden_dim),
+                    kv = static_cast<std::size_t>(c.kv_dim()), V = static_cast<std::size_t>(c.vocab_size);
+  auto get = [&](const std::string& name, std::uint64_t off, std::size_t rows, std::size_t cols) {
+    st.read_f32(name, rows, cols, buf->data() + off);
+  };
+  const bool has_embed = st.contains("model.embed_tokens.weight");
+  const bool has_head = st.contains("lm_head.weight");
+  // Tied checkpoints may store either name (HF de-duplicates shared tensors on save).
+  if (has_embed) get("model.embed_tokens.weight", l.emb, V, d);
+  else if (c.shared_classifier && has_head) get("lm_head.weight", l.emb, V, d);
+  else get("model.embed_tokens.weight", l.emb, V, d);  // throws missing_tensor
+  for (std::size_t i = 0; i < static_cast<std::size_t>(c.n_layers); ++i) {
+    const std::string pre = "model.layers." + std::to_string(i) + ".";
+    get(pre + "input_layernorm.weight", l.rms_att + i * d, 1, d);
+    get(pre + "self_attn.q_proj.weight", l.wq + i * d * d, d, d);
+    get(pre + "self_attn.k_proj.weight", l.wk + i * kv * d, kv, d);
+    get(pre + "self_attn.v_proj.weight", l.wv + i * kv * d, kv, d);
+    get(pre + "self_attn.o_proj.weight", l.wo + i * d * d, d, d);
+    get(pre + "post_attention_layernorm.weight", l.rms_ffn + i * d, 1, d);
+    get(pre + "mlp.gate_proj.weight", l.w1 + i * h * d, h, d);
+    get(pre + "mlp.down_proj.weight", l.w2 + i * d * h, d, h);
+    get(pre + "mlp.up_proj.weight", l.w3 + i * h * d, h, d);
+  }
+  get("model.norm.weight", l.rms_final, 1, d);
+  if (!c.shared_classifier) get("lm_head.weight", l.cls, V, d);
+  m.bind_llama2c(buf->data());
+  m.storage_ = std::move(buf);
+  return m;
+}
+
+}  // namespace medusa_llama

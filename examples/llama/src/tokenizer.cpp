@@ -1,0 +1,361 @@
+// SPDX-License-Identifier: Apache-2.0
+// llama2.c and Hugging Face BPE tokenizers.
+#include <medusa_llama/tokenizer.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <cctype>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <limits>
+
+namespace medusa_llama {
+
+namespace {
+
+// "<0xXX>" (upper or lower case hex) → XX, else -1.
+int parse_byte_piece(std::string_view p) {
+  if (p.size() != 6 || p.substr(0, 3) != "<0x" || p[5] != '>') return -1;
+  auto hex = [](char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  const int hi = hex(p[3]), lo = hex(p[4]);
+  return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw load_error(load_errc::open_failed, path.string(), "cannot open");
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+const std::string kSpaceMarker = "\xE2\x96\x81";  // U+2581 "▁"
+
+std::string replace_all(std::string_view s, std::string_view from, std::string_view to) {
+  std::string out;
+  out.reserve(s.size());
+  std::size_t i = 0;
+  while (i < s.size()) {
+    if (s.compare(i, from.size(), from) == 0) {
+      out += to;
+      i += from.size();
+    } else {
+      out += s[i++];
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+// --- llama2.c -------------------------------------------------------------------------------------
+
+llama2c_tokenizer::llama2c_tokenizer(const std::filesystem::path& path, int vocab_size, bool add_dummy_prefix)
+    : dummy_prefix_(add_dummy_prefix) {
+  const std::string p = path.string();
+  if (vocab_size < 0) throw load_error(load_errc::bad_tokenizer, p, "negative vocab_size " + std::to_string(vocab_size));
+  const std::string data = read_file(path);
+  std::size_t off = 0;
+  auto need = [&](std::size_t n, const char* what) {
+    if (data.size() - off < n)
+      throw load_error(load_errc::truncated, p, std::string("file ends inside ") + what + " of token " +
+                                                    std::to_string(pieces_.size()) + " (offset " + std::to_string(off) + ")");
+  };
+  need(4, "the header");
+  std::int32_t max_len = 0;
+  std::memcpy(&max_len, data.data(), 4);
+  off = 4;
+  if (max_len <= 0 || max_len > (1 << 16))
+    throw load_error(load_errc::bad_tokenizer, p, "max_token_length " + std::to_string(max_len) + " is out of range");
+  while (vocab_size == 0 ? off < data.size() : pieces_.size() < static_cast<std::size_t>(vocab_size)) {
+    need(8, "the score/length");
+    float score;
+    std::int32_t len;
+    std::memcpy(&score, data.data() + off, 4);
+    std::memcpy(&len, data.data() + off + 4, 4);
+    off += 8;
+    if (len < 0 || len > max_len)
+      throw load_error(load_errc::bad_tokenizer, p, "token " + std::to_string(pieces_.size()) + " has length " +
+                                                        std::to_string(len) + " outside [0, max_token_length " +
+                                                        std::to_string(max_len) + "]");
+    need(static_cast<std::size_t>(len), "the text");
+    pieces_.emplace_back(data.data() + off, static_cast<std::size_t>(len));
+    scores_.push_back(score);
+    off += static_cast<std::size_t>(len);
+  }
+  if (off != data.size())
+    throw load_error(load_errc::size_mismatch, p, std::to_string(data.size() - off) + " bytes follow the " +
+                                                      std::to_string(pieces_.size()) + " tokens the model expects");
+  if (pieces_.size() < 3) throw load_error(load_errc::bad_tokenizer, p, "fewer than 3 tokens (unk, BOS, EOS)");
+  for (std::size_t i = 0; i < pieces_.size(); ++i) index_.emplace(pieces_[i], static_cast<int>(i));
+}
+
+const std::string& llama2c_tokenizer::piece(int token) const {
+  if (token < 0 || token >= vocab_size())
+    throw engine_error(engine_errc::bad_token, "token " + std::to_string(token) + " is outside [0, " + std::to_string(vocab_size()) + ")");
+  return pieces_[static_cast<std::size_t>(token)];
+}
+
+float llama2c_tokenizer::score(int token) const {
+  (void)piece(token);
+  return scores_[static_cast<std::size_t>(token)];
+}
+
+int llama2c_tokenizer::lookup(std::string_view s) const {
+  auto it = index_.find(std::string(s));
+  return it == index_.end() ? -1 : it->second;
+}
+
+std::vector<int> llama2c_tokenizer::encode(std::string_view text, bool bos, bool eos) const {
+  std::vector<int> tokens;
+  tokens.reserve(text.size() + 3);
+  if (dummy_prefix_ && !text.empty()) {
+    if (int id = lookup(" "); id >= 0) tokens.push_back(id);
+  }
+  // Whole UTF-8 code points (at most 4 bytes) are looked up; misses become byte tokens (id = byte + 3).
+  char buf[8];
+  std::size_t len = 0;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if ((c & 0xC0) != 0x80) len = 0;
+    buf[len++] = static_cast<char>(c);
+    const auto next = i + 1 < text.size() ? static_cast<unsigned char>(text[i + 1]) : 0u;
+    if ((next & 0xC0) == 0x80 && len < 4) continue;
+    if (int id = lookup(std::string_view(buf, len)); id >= 0) {
+      tokens.push_back(id);
+    } else {
+      for (std::size_t b = 0; b < len; ++b) {
+        const int id_b = static_cast<unsigned char>(buf[b]) + 3;
+        tokens.push_back(id_b < vocab_size() ? id_b : 0);
+      }
+    }
+    len = 0;
+  }
+  // Merge the best-scoring adjacent pair until none merges (run.c; ties go to the leftmost pair).
+  // pair_id[i] caches the merge of (tokens[i], tokens[i+1]).
+  std::vector<int> pair_id(tokens.size(), -1);
+  auto eval = [&](std::size_t i) {
+    pair_id[i] = i + 1 < tokens.size() ? lookup(pieces_[static_cast<std::size_t>(tokens[i])] + pieces_[static_cast<std::size_t>(tokens[i + 1])]) : -1;
+  };
+  for (std::size_t i = 0; i < tokens.size(); ++i) eval(i);
+  for (;;) {
+    float best = -1e10f;
+    std::size_t best_i = tokens.size();
+    for (std::size_t i = 0; i + 1 < tokens.size(); ++i) {
+      const int id = pair_id[i];
+      if (id >= 0 && scores_[static_cast<std::size_t>(id)] > best) {
+        best = scores_[static_cast<std::size_t>(id)];
+        best_i = i;
+      }
+    }
+    if (best_i == tokens.size()) break;
+    tokens[best_i] = pair_id[best_i];
+    tokens.erase(tokens.begin() + static_cast<std::ptrdiff_t>(best_i) + 1);
+    pair_id.erase(pair_id.begin() + static_cast<std::ptrdiff_t>(best_i) + 1);
+    eval(best_i);
+    if (best_i > 0) eval(best_i - 1);
+  }
+  if (bos) tokens.insert(tokens.begin(), 1);
+  if (eos) tokens.push_back(2);
+  return tokens;
+}
+
+std::string llama2c_tokenizer::decode_piece(int prev, int token) const {
+  const std::string& p = piece(token);
+  if (token <= 2) return {};  // unk, BOS, EOS are control tokens
+  std::string_view s = p;
+  // run.c: after BOS the SentencePiece decoder strips the dummy-prefix space.
+  if (dummy_prefix_ && prev == 1 && !s.empty() && s[0] == ' ') s.remove_prefix(1);
+  if (const int b = parse_byte_piece(s); b >= 0) return std::string(1, static_cast<char>(b));
+  return std::string(s);
+}
+
+std::string run_c_printable(std::string piece) {
+  if (piece.size() == 1) {
+    const auto b = static_cast<unsigned char>(piece[0]);
+    // C-locale isprint/isspace: ASCII only.
+    const bool printable = (b >= 0x20 && b < 0x7f) || b == ' ' || (b >= '\t' && b <= '\r');
+    if (!printable) return {};
+  }
+  return piece;
+}
+
+// --- Hugging Face ---------------------------------------------------------------------------------
+
+hf_tokenizer::hf_tokenizer(const std::filesystem::path& path) {
+  const std::string p = path.string();
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw load_error(load_errc::bad_json, p, std::string("invalid JSON: ") + e.what());
+  }
+  try {
+    const auto& m = j.at("model");
+    if (m.at("type").get<std::string>() != "BPE")
+      throw load_error(load_errc::unsupported, p, "model type \"" + m.at("type").get<std::string>() + "\" (BPE only)");
+    if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null())
+      throw load_error(load_errc::unsupported, p, "pre_tokenizer " + j["pre_tokenizer"].dump() + " (only null is supported)");
+    // Normalizer: nothing, or the Llama conversion Sequence[Prepend("▁"), Replace(" " → "▁")].
+    prepend_ = false;
+    bool replace_spaces = false;
+    if (j.contains("normalizer") && !j["normalizer"].is_null()) {
+      const auto& n = j["normalizer"];
+      std::vector<nlohmann::json> steps;
+      if (n.at("type") == "Sequence") {
+        for (const auto& s : n.at("normalizers")) steps.push_back(s);
+      } else {
+        steps.push_back(n);
+      }
+      for (const auto& s : steps) {
+        if (s.at("type") == "Prepend" && s.at("prepend") == kSpaceMarker) prepend_ = true;
+        else if (s.at("type") == "Replace" && s.at("pattern").value("String", "") == " " && s.at("content") == kSpaceMarker) replace_spaces = true;
+        else throw load_error(load_errc::unsupported, p, "normalizer step " + s.dump());
+      }
+    }
+    if (!replace_spaces && prepend_) throw load_error(load_errc::unsupported, p, "Prepend without Replace(\" \")");
+    const auto& vocab = m.at("vocab");
+    if (!vocab.is_object() || vocab.empty()) throw load_error(load_errc::bad_tokenizer, p, "model.vocab is not a non-empty object");
+    const std::size_t n = vocab.size();
+    pieces_.assign(n, {});
+    byte_of_.assign(n, -1);
+    special_.assign(n, false);
+    std::vector<bool> seen(n, false);
+    for (const auto& [text, idj] : vocab.items()) {
+      const auto id = idj.get<std::int64_t>();
+      if (id < 0 || static_cast<std::size_t>(id) >= n || seen[static_cast<std::size_t>(id)])
+        throw load_error(load_errc::bad_tokenizer, p, "vocab id " + std::to_string(id) + " of \"" + text + "\" is out of range or repeated");
+      seen[static_cast<std::size_t>(id)] = true;
+      vocab_.emplace(text, static_cast<int>(id));
+      const auto u = static_cast<std::size_t>(id);
+      byte_of_[u] = parse_byte_piece(text);
+      pieces_[u] = replace_all(text, kSpaceMarker, " ");
+    }
+    std::fill(std::begin(byte_ids_), std::end(byte_ids_), -1);
+    for (std::size_t i = 0; i < n; ++i)
+      if (byte_of_[i] >= 0) byte_ids_[byte_of_[i]] = static_cast<int>(i);
+    if (j.contains("added_tokens")) {
+      for (const auto& a : j["added_tokens"]) {
+        const auto id = a.at("id").get<std::int64_t>();
+        if (id < 0 || static_cast<std::size_t>(id) >= n)
+          throw load_error(load_errc::bad_tokenizer, p, "added token id " + std::to_string(id) + " is outside the vocab of " + std::to_string(n));
+        if (a.value("special", false)) special_[static_cast<std::size_t>(id)] = true;
+      }
+    }
+    if (m.contains("unk_token") && m["unk_token"].is_string()) {
+      auto it = vocab_.find(m["unk_token"].get<std::string>());
+      if (it != vocab_.end()) unk_ = it->second;
+    }
+    // BOS: the first special token of the post-processor template, else "<s>", else 1.
+    bos_ = 1;
+    if (auto it = vocab_.find("<s>"); it != vocab_.end()) bos_ = it->second;
+    if (j.contains("post_processor") && j["post_processor"].is_object() && j["post_processor"].contains("single")) {
+      for (const auto& s : j["post_processor"]["single"]) {
+        if (s.contains("SpecialToken")) {
+          auto it = vocab_.find(s["SpecialToken"].at("id").get<std::string>());
+          if (it != vocab_.end()) bos_ = it->second;
+          break;
+        }
+      }
+    }
+    eos_ = 2;
+    if (auto it = vocab_.find("</s>"); it != vocab_.end()) eos_ = it->second;
+    if (static_cast<std::size_t>(bos_) >= n || static_cast<std::size_t>(eos_) >= n)
+      throw load_error(load_errc::bad_tokenizer, p, "vocabulary too small for BOS/EOS");
+    int rank = 0;
+    for (const auto& mg : m.at("merges")) {
+      std::string a, b;
+      if (mg.is_string()) {
+        const auto s = mg.get<std::string>();
+        const auto sp = s.find(' ');
+        if (sp == std::string::npos) throw load_error(load_errc::bad_tokenizer, p, "merge \"" + s + "\" has no space");
+        a = s.substr(0, sp);
+        b = s.substr(sp + 1);
+      } else {
+        a = mg.at(0).get<std::string>();
+        b = mg.at(1).get<std::string>();
+      }
+      auto ia = vocab_.find(a), ib = vocab_.find(b), iab = vocab_.find(a + b);
+      if (ia == vocab_.end() || ib == vocab_.end() || iab == vocab_.end())
+        throw load_error(load_errc::bad_tokenizer, p, "merge \"" + a + "\" + \"" + b + "\" uses a piece outside the vocab");
+      const std::uint64_t key = (static_cast<std::uint64_t>(ia->second) << 32) | static_cast<std::uint32_t>(ib->second);
+      merges_.emplace(key, std::make_pair(rank++, iab->second));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw load_error(load_errc::bad_json, p, std::string("unexpected tokenizer.json structure: ") + e.what());
+  }
+}
+
+std::vector<int> hf_tokenizer::encode(std::string_view text, bool bos, bool eos) const {
+  std::string norm;
+  if (prepend_ && !text.empty()) norm = kSpaceMarker;
+  norm += prepend_ ? replace_all(text, " ", kSpaceMarker) : std::string(text);
+  std::vector<int> sym;
+  // Split into UTF-8 characters; an invalid byte is a character of its own.
+  for (std::size_t i = 0; i < norm.size();) {
+    const auto c = static_cast<unsigned char>(norm[i]);
+    std::size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+    if (i + len > norm.size()) len = 1;
+    for (std::size_t k = 1; k < len; ++k)
+      if ((static_cast<unsigned char>(norm[i + k]) & 0xC0) != 0x80) len = 1;
+    const std::string ch = norm.substr(i, len);
+    if (auto it = vocab_.find(ch); it != vocab_.end()) {
+      sym.push_back(it->second);
+    } else {
+      bool all_bytes = true;
+      for (unsigned char b : ch) all_bytes = all_bytes && byte_ids_[b] >= 0;
+      if (all_bytes) {
+        for (unsigned char b : ch) sym.push_back(byte_ids_[b]);
+      } else if (sym.empty() || sym.back() != unk_) {
+        sym.push_back(unk_);  // fuse_unk: a run of unknown characters is one unk
+      }
+    }
+    i += len;
+  }
+  // Lowest-rank merge first, leftmost on ties (equivalent to tokenizers' priority queue).
+  auto merge_of = [&](std::size_t i) -> std::pair<int, int> {
+    const std::uint64_t key = (static_cast<std::uint64_t>(sym[i]) << 32) | static_cast<std::uint32_t>(sym[i + 1]);
+    auto it = merges_.find(key);
+    return it == merges_.end() ? std::make_pair(std::numeric_limits<int>::max(), -1) : it->second;
+  };
+  std::vector<std::pair<int, int>> pm;
+  for (std::size_t i = 0; i + 1 < sym.size(); ++i) pm.push_back(merge_of(i));
+  for (;;) {
+    std::size_t best = pm.size();
+    for (std::size_t i = 0; i < pm.size(); ++i)
+      if (pm[i].second >= 0 && (best == pm.size() || pm[i].first < pm[best].first)) best = i;
+    if (best == pm.size()) break;
+    sym[best] = pm[best].second;
+    sym.erase(sym.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+    pm.erase(pm.begin() + static_cast<std::ptrdiff_t>(best));
+    if (best < pm.size()) pm[best] = merge_of(best);
+    if (best > 0) pm[best - 1] = merge_of(best - 1);
+  }
+  if (bos) sym.insert(sym.begin(), bos_);
+  if (eos) sym.push_back(eos_);
+  return sym;
+}
+
+std::string hf_tokenizer::decode_piece(int prev, int token) const {
+  if (token < 0 || token >= vocab_size())
+    throw engine_error(engine_errc::bad_token, "token " + std::to_string(token) + " is outside [0, " + std::to_string(vocab_size()) + ")");
+  const auto u = static_cast<std::size_t>(token);
+  if (special_[u]) return {};
+  if (byte_of_[u] >= 0) return std::string(1, static_cast<char>(byte_of_[u]));
+  std::string_view s = pieces_[u];
+  const bool first = prev < 0 || (prev < vocab_size() && special_[static_cast<std::size_t>(prev)]);
+  if (prepend_ && first && !s.empty() && s[0] == ' ') s.remove_prefix(1);  // the Strip decoder
+  return std::string(s);
+}
+
+std::unique_ptr<tokenizer> load_tokenizer(const std::filesystem::path& path, bool add_dummy_prefix) {
+  if (path.extension() == ".json") return std::make_unique<hf_tokenizer>(path);
+  return std::make_unique<llama2c_tokenizer>(path, 0, add_dummy_prefix);
+}
+
+}  // namespace medusa_llama

@@ -1,0 +1,366 @@
+// SPDX-License-Identifier: Apache-2.0
+// The example Llama engine on small random models it writes itself: batched forward against
+// sequential decoding, tree masks against root-to-node causal paths, chunked prefill, argument and
+// checkpoint validation.
+#include <medusa_llama/llama.hpp>
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+using namespace medusa_llama;
+
+namespace {
+
+const fs::path tmp_dir{MEDUSA_TEST_TMPDIR};
+
+model_config tiny_config(bool shared = true) {
+  model_config c;
+  c.dim = 64;
+  c.hidden_dim = 96;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;  // GQA
+  c.vocab_size = 97;
+  c.seq_len = 96;
+  c.shared_classifier = shared;
+  return c;
+}
+
+// The tiny model, written as a llama2.c checkpoint and loaded back (exercises both directions).
+model tiny_model(bool shared = true, rope_style rope = rope_style::adjacent_pairs) {
+  fs::create_directories(tmp_dir);
+  auto c = tiny_config(shared);
+  c.rope = rope;
+  const auto m = model::random(c, shared ? 7 : 8, 0.2f);
+  if (rope == rope_style::split_halves) return m;  // llama2.c files are adjacent-pair only
+  const auto path = tmp_dir / (shared ? "llama_tiny.bin" : "llama_tiny_cls.bin");
+  m.save_llama2c(path);
+  return model::load_llama2c(path);
+}
+
+std::vector<int> random_tokens(int n, int vocab, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<int> t(static_cast<std::size_t>(n));
+  for (auto& x : t) x = static_cast<int>(rng() % static_cast<unsigned>(vocab));
+  return t;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double d = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) d = std::max(d, static_cast<double>(std::abs(a[i] - b[i])));
+  return d;
+}
+
+// Logits of every token of `tokens` run one at a time after [0, start).
+std::vector<float> sequential_logits(engine& e, const std::vector<int>& tokens, int start) {
+  const auto V = static_cast<std::size_t>(e.config().vocab_size);
+  std::vector<float> all(tokens.size() * V), one(V);
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    e.decode(tokens[i], start + static_cast<int>(i), one);
+    std::copy(one.begin(), one.end(), all.begin() + static_cast<std::ptrdiff_t>(i * V));
+  }
+  return all;
+}
+
+}  // namespace
+
+TEST_CASE("llama2c checkpoint round trip keeps config and weights") {
+  const auto m = tiny_model(false);
+  const auto& c = m.config();
+  CHECK(c.dim == 64);
+  CHECK(c.n_kv_heads == 2);
+  CHECK_FALSE(c.shared_classifier);
+  CHECK(m.classifier() != m.token_embedding());
+  const auto r = model::random(tiny_config(false), 8, 0.2f);
+  CHECK(std::equal(r.layer(1).w2, r.layer(1).w2 + 64 * 96, m.layer(1).w2));
+  CHECK(std::equal(r.classifier(), r.classifier() + 97 * 64, m.classifier()));
+  CHECK(m.weight_bytes() == sizeof(float) * (2 * (2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 96 * 64) + 64 + 97 * 64));
+}
+
+TEST_CASE("batched forward equals sequential single-token forwards") {
+  for (bool shared : {true, false})
+    for (auto backend : {gemm_backend::builtin, gemm_backend::blas})
+      for (bool core : {true, false})
+        for (int threads : {1, 2}) {
+          CAPTURE(shared);
+          CAPTURE(static_cast<int>(backend));
+          CAPTURE(core);
+          CAPTURE(threads);
+          engine e(tiny_model(shared), {.max_batch = 32, .threads = threads, .backend = backend, .core_attention = core});
+          const auto V = static_cast<std::size_t>(e.config().vocab_size);
+          const auto D = static_cast<std::size_t>(e.config().dim);
+          const auto prefix = random_tokens(5, 97, 1);
+          const auto batch = random_tokens(19, 97, 2);
+          std::vector<float> last(V);
+          e.prefill(prefix, 0, last, {});
+          const auto seq = sequential_logits(e, batch, 5);
+          // Now the same 19 tokens as one causal batch after the same prefix.
+          e.truncate(5);
+          std::vector<int> pos(batch.size()), rows(batch.size());
+          for (std::size_t i = 0; i < batch.size(); ++i) {
+            pos[i] = 5 + static_cast<int>(i);
+            rows[i] = static_cast<int>(i);
+          }
+          std::vector<float> logits(batch.size() * V), hidden(batch.size() * D);
+          e.forward(batch, pos, pos, mask_source::causal(5), {rows, logits, hidden});
+          CHECK(e.length() == 24);
+          CHECK(max_abs_diff(seq, logits) < 1e-4);
+          // Hidden states are the final-normed vectors: their classifier product is the logits.
+          const float* cls = e.weights().classifier();
+          double dl = 0;
+          for (std::size_t v = 0; v < V; ++v) {
+            double s = 0;
+            for (std::size_t k = 0; k < D; ++k) s += static_cast<double>(cls[v * D + k]) * hidden[3 * D + k];
+            dl = std::max(dl, std::abs(s - logits[3 * V + v]));
+          }
+          CHECK(dl < 1e-4);
+        }
+}
+
+TEST_CASE("tree-mask forward equals each root-to-node path run causally") {
+  // parent[i] < i; depth from the parents. Node 0 is the root.
+  const std::vector<int> parent = {-1, 0, 0, 1, 1, 2, 3, 0, 6, 5};
+  const int N = static_cast<int>(parent.size());
+  std::vector<int> depth(static_cast<std::size_t>(N), 0);
+  for (int i = 1; i < N; ++i) depth[static_cast<std::size_t>(i)] = depth[static_cast<std::size_t>(parent[static_cast<std::size_t>(i)])] + 1;
+  std::vector<std::uint32_t> mask(static_cast<std::size_t>(N), 0);
+  for (int i = 0; i < N; ++i)
+    for (int j = i; j >= 0; j = parent[static_cast<std::size_t>(j)]) mask[static_cast<std::size_t>(i)] |= 1u << j;
+  const auto tok = random_tokens(N, 97, 3);
+  for (auto rope : {rope_style::adjacent_pairs, rope_style::split_halves})
+    for (bool core : {true, false}) {
+      CAPTURE(core);
+      engine e(tiny_model(true, rope), {.threads = 2, .core_attention = core});
+      const auto V = static_cast<std::size_t>(e.config().vocab_size);
+      const int L = 7;
+      std::vector<float> scratch(V);
+      e.prefill(random_tokens(L, 97, 4), 0, scratch, {});
+      std::vector<int> pos(static_cast<std::size_t>(N)), slot(static_cast<std::size_t>(N)), rows(static_cast<std::size_t>(N));
+      for (int i = 0; i < N; ++i) {
+        pos[static_cast<std::size_t>(i)] = L + depth[static_cast<std::size_t>(i)];
+        slot[static_cast<std::size_t>(i)] = L + i;
+        rows[static_cast<std::size_t>(i)] = i;
+      }
+      std::vector<float> tree_logits(static_cast<std::size_t>(N) * V);
+      e.forward(tok, pos, slot, mask_source::tree(L, mask), {rows, tree_logits, {}});
+      CHECK(e.length() == L + N);
+      // Same tree at scattered slots (the engine's own attention path).
+      std::vector<int> slot2(static_cast<std::size_t>(N));
+      for (int i = 0; i < N; ++i) slot2[static_cast<std::size_t>(i)] = L + 3 * (N - 1 - i) + 1;
+      std::vector<float> tree2(tree_logits.size());
+      e.truncate(L);
+      e.forward(tok, pos, slot2, mask_source::tree(L, mask), {rows, tree2, {}});
+      CHECK(max_abs_diff(tree_logits, tree2) < 1e-4);
+      for (int i = 0; i < N; ++i) {
+        std::vector<int> path;
+        for (int j = i; j >= 0; j = parent[static_cast<std::size_t>(j)]) path.insert(path.begin(), tok[static_cast<std::size_t>(j)]);
+        e.truncate(L);
+        std::vector<float> last(V);
+        e.prefill(path, L, last, {});
+        const std::vector<float> row(tree_logits.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(i) * V),
+                                     tree_logits.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(i + 1) * V));
+        CHECK_MESSAGE(max_abs_diff(row, last) < 1e-4, "node " << i);
+      }
+    }
+}
+
+TEST_CASE("chunked prefill equals unchunked prefill") {
+  const auto prompt = random_tokens(75, 97, 5);
+  std::vector<float> a(97), b(97), ha(64), hb(64);
+  engine e1(tiny_model(), {.max_batch = 96, .prefill_chunk = 96, .threads = 1});
+  engine e2(tiny_model(), {.max_batch = 16, .prefill_chunk = 7, .threads = 2});
+  e1.prefill(prompt, 0, a, ha);
+  e2.prefill(prompt, 0, b, hb);
+  CHECK(e1.length() == 75);
+  CHECK(e2.length() == 75);
+  CHECK(max_abs_diff(a, b) < 1e-4);
+  CHECK(max_abs_diff(ha, hb) < 1e-4);
+  for (int l = 0; l < 2; ++l) {
+    const auto k1 = e1.kv_layer(l), k2 = e2.kv_layer(l);
+    CHECK(k1.slot_stride == 32);
+    const std::vector<float> x(k1.v, k1.v + 75 * 32), y(k2.v, k2.v + 75 * 32);
+    CHECK(max_abs_diff(x, y) < 1e-4);
+  }
+}
+
+TEST_CASE("generate: greedy is argmax decoding, sampling is seeded") {
+  engine e(tiny_model(), {.threads = 2});
+  const std::vector<int> prompt = {1, 5, 9};
+  const auto g = generate(e, prompt, {.max_new_tokens = 20});
+  REQUIRE(g.tokens.size() == 20);
+  // Replay: each token is the argmax after the prompt and the previous tokens.
+  std::vector<int> ctx = prompt;
+  std::vector<float> logits(97);
+  for (int t : g.tokens) {
+    e.truncate(0);
+    e.prefill(ctx, 0, logits, {});
+    CHECK(argmax(logits) == t);
+    ctx.push_back(t);
+  }
+  const auto s1 = generate(e, prompt, {.max_new_tokens = 15, .temperature = 1.0f, .seed = 42});
+  const auto s2 = generate(e, prompt, {.max_new_tokens = 15, .temperature = 1.0f, .seed = 42});
+  CHECK(s1.tokens == s2.tokens);
+  const auto stop = generate(e, prompt, {.max_new_tokens = 20, .stop_tokens = {g.tokens[3]}});
+  CHECK(stop.stopped);
+  CHECK(stop.tokens.size() <= 3);
+  CHECK(argmax(std::vector<float>{1, 3, 3, 2}) == 1);
+  sampler hot(1e-3f, 1);
+  CHECK(hot(std::vector<float>{0, 5, 1}) == 1);
+  CHECK_THROWS_AS(sampler(-1.0f), engine_error);
+}
+
+TEST_CASE("forward rejects inconsistent arguments without writing") {
+  engine e(tiny_model(), {.capacity = 40, .max_batch = 8, .threads = 2});
+  std::vector<float> logits(97);
+  const std::vector<int> p = {1, 2, 3, 4};
+  e.prefill(p, 0, logits, {});
+  auto code_of = [&](auto&& f) {
+    try {
+      f();
+    } catch (const engine_error& x) {
+      CHECK(std::string(x.what()).rfind("medusa: ", 0) == 0);
+      return x.code();
+    }
+    FAIL("no exception");
+    return engine_errc::bad_option;
+  };
+  const int row0[1] = {0};
+  auto one = [&](int tok, int pos, int slot, int prefix) {
+    e.forward(std::vector<int>{tok}, std::vector<int>{pos}, std::vector<int>{slot}, mask_source::causal(prefix), {row0, logits, {}});
+  };
+  CHECK(code_of([&] { one(97, 4, 4, 4); }) == engine_errc::bad_token);
+  CHECK(code_of([&] { one(-1, 4, 4, 4); }) == engine_errc::bad_token);
+  CHECK(code_of([&] { one(5, 96, 4, 4); }) == engine_errc::bad_position);
+  CHECK(code_of([&] { one(5, 4, 40, 4); }) == engine_errc::bad_slot);
+  CHECK(code_of([&] { one(5, 4, 2, 4); }) == engine_errc::bad_slot);   // inside the prefix
+  CHECK(code_of([&] { one(5, 5, 5, 5); }) == engine_errc::bad_mask);   // prefix beyond length 4
+  CHECK(code_of([&] { e.forward(std::vector<int>{1, 2}, std::vector<int>{4, 5}, std::vector<int>{4, 4}, mask_source::causal(4), {}); }) == engine_errc::bad_slot);
+  CHECK(code_of([&] { e.forward(std::vector<int>(9, 1), std::vector<int>(9, 4), std::vector<int>(9, 4), mask_source::causal(4), {}); }) == engine_errc::bad_batch);
+  CHECK(code_of([&] { e.forward(std::vector<int>{}, std::vector<int>{}, std::vector<int>{}, mask_source::causal(4), {}); }) == engine_errc::bad_batch);
+  CHECK(code_of([&] { e.forward(std::vector<int>{1}, std::vector<int>{4, 5}, std::vector<int>{4}, mask_source::causal(4), {}); }) == engine_errc::bad_batch);
+  const std::uint32_t no_diag[2] = {0x1, 0x1};
+  const std::uint32_t high_bits[2] = {0x1, 0x7};
+  const std::uint32_t ok_mask[2] = {0x1, 0x3};
+  auto two = [&](std::span<const std::uint32_t> m, const forward_outputs& o) {
+    e.forward(std::vector<int>{1, 2}, std::vector<int>{4, 5}, std::vector<int>{4, 5}, mask_source::tree(4, m), o);
+  };
+  CHECK(code_of([&] { two(no_diag, {}); }) == engine_errc::bad_mask);
+  CHECK(code_of([&] { two(high_bits, {}); }) == engine_errc::bad_mask);
+  CHECK(code_of([&] { two(std::span<const std::uint32_t>(ok_mask, 1), {}); }) == engine_errc::bad_mask);
+  const int bad_row[1] = {2};
+  CHECK(code_of([&] { two(ok_mask, {bad_row, logits, {}}); }) == engine_errc::bad_output);
+  std::vector<float> small(96);
+  CHECK(code_of([&] { two(ok_mask, {row0, small, {}}); }) == engine_errc::bad_output);
+  CHECK(code_of([&] { two(ok_mask, {row0, {}, small}); }) == engine_errc::bad_output);
+  CHECK(e.length() == 4);  // nothing was written
+  CHECK(code_of([&] { e.truncate(5); }) == engine_errc::bad_slot);
+  CHECK(code_of([&] { (void)e.kv_layer(2); }) == engine_errc::bad_option);
+  CHECK(code_of([&] { engine bad(tiny_model(), {.max_batch = 0}); }) == engine_errc::bad_option);
+  CHECK(code_of([&] { e.prefill(std::vector<int>(37, 1), 4, logits, {}); }) == engine_errc::bad_batch);  // 41 > capacity
+  two(ok_mask, {row0, logits, {}});
+  CHECK(e.length() == 6);
+  e.truncate(4);
+  CHECK(e.length() == 4);
+}
+
+TEST_CASE("llama2c loader rejects truncated, oversized and inconsistent checkpoints") {
+  const auto good = tmp_dir / "llama_tiny.bin";
+  (void)tiny_model();
+  std::ifstream in(good, std::ios::binary);
+  const std::string bytes(std::istreambuf_iterator<char>(in), {});
+  auto expect = [&](const std::string& b, load_errc code) {
+    const auto p = tmp_dir / "llama_bad.bin";
+    {
+      std::ofstream out(p, std::ios::binary | std::ios::trunc);
+      out.write(b.data(), static_cast<std::streamsize>(b.size()));
+    }
+    try {
+      (void)model::load_llama2c(p);
+      FAIL("no exception");
+    } catch (const load_error& e) {
+      CHECK(e.code() == code);
+      CHECK(e.path() == p.string());
+      MESSAGE(e.what());
+    }
+  };
+  expect(bytes.substr(0, 20), load_errc::truncated);
+  expect(bytes.substr(0, bytes.size() - 4), load_errc::truncated);
+  expect(bytes + "1234", load_errc::size_mismatch);
+  auto patched = [&](int field, std::int32_t v) {
+    std::string b = bytes;
+    std::memcpy(b.data() + 4 * field, &v, 4);
+    return b;
+  };
+  expect(patched(0, 0), load_errc::bad_header);            // dim 0
+  expect(patched(3, 5), load_errc::bad_header);            // dim 64 not a multiple of 5 heads
+  expect(patched(4, 3), load_errc::bad_header);            // 4 heads not a multiple of 3 kv heads
+  expect(patched(2, 1 << 30), load_errc::bad_header);      // absurd layer count
+  expect(patched(5, INT32_MIN), load_errc::bad_header);    // vocab
+  expect(patched(5, -97), load_errc::truncated);           // separate classifier that is not there
+  try {
+    (void)model::load_llama2c(tmp_dir / "does-not-exist.bin");
+    FAIL("no exception");
+  } catch (const load_error& e) {
+    CHECK(e.code() == load_errc::open_failed);
+  }
+  CHECK_THROWS_AS((void)model::load_llama2c(tmp_dir), load_error);  // a directory
+}
+
+TEST_CASE("HF loader rejects bad configs") {
+  const auto dir = tmp_dir / "llama_hf_bad";
+  fs::create_directories(dir);
+  auto expect = [&](const std::string& cfg, load_errc code) {
+    std::ofstream(dir / "config.json", std::ios::trunc) << cfg;
+    try {
+      (void)model::load_hf(dir);
+      FAIL("no exception");
+    } catch (const load_error& e) {
+      CHECK(e.code() == code);
+    }
+  };
+  expect("{", load_errc::bad_json);
+  expect(R"({"model_type": "gpt2"})", load_errc::unsupported);
+  expect(R"({"hidden_size": 64})", load_errc::bad_json);
+  const std::string base = R"("hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "vocab_size": 97, "max_position_embeddings": 96)";
+  expect("{" + base + R"(, "hidden_act": "gelu"})", load_errc::unsupported);
+  expect("{" + base + R"(, "rope_scaling": {"type": "linear", "factor": 2}})", load_errc::unsupported);
+  expect("{" + base + R"(, "num_attention_heads": "four"})", load_errc::bad_json);
+  expect(R"({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 5, "vocab_size": 97, "max_position_embeddings": 96})",
+         load_errc::bad_header);
+  fs::remove(dir / "model.safetensors");
+  expect("{" + base + "}", load_errc::open_failed);  // no model.safetensors
+  std::ofstream(dir / "model.safetensors", std::ios::binary | std::ios::trunc) << "abc";
+  expect("{" + base + "}", load_errc::truncated);
+}
+
+TEST_CASE("thread_pool runs every chunk exactly once") {
+  thread_pool pool(2);
+  CHECK(pool.size() == 2);
+  std::vector<std::atomic<int>> hits(1000);
+  for (int rep = 0; rep < 200; ++rep) {
+    const int n = 1 + rep % 37;
+    pool.run(n, [&](int c, int tid) {
+      CHECK((tid >= 0 && tid < 2));
+      hits[static_cast<std::size_t>(c)].fetch_add(1);
+    });
+  }
+  int total = 0;
+  for (auto& h : hits) total += h.load();
+  int want = 0;
+  for (int rep = 0; rep < 200; ++rep) want += 1 + rep % 37;
+  CHECK(total == want);
+  CHECK_THROWS_AS(thread_pool(-1), engine_error);
+}
