@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file load.hpp
+//! One call that loads what a tool needs from a model path: the weights and the matching tokenizer.
+//!
+//! @code
+//! auto m = medusa_llama::load("../shared/models/pycode-15m/model.bin");   // tokenizer.bin beside it
+//! auto hf = medusa_llama::load("../shared/models/tinystories-656K");      // config + safetensors + tokenizer.json
+//! std::vector<int> ids = m.tok->encode("def f():\n", /*bos=*/true, /*eos=*/false);
+//! @endcode
+#pragma once
+
+#include <medusa_llama/model.hpp>
+#include <medusa_llama/tokenizer.hpp>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+namespace medusa_llama {
+
+//! A model with its tokenizer.
+struct loaded_model {
+  model weights;                    //!< the checkpoint (memory-mapped where possible)
+  std::unique_ptr<tokenizer> tok;   //!< its tokenizer
+  std::filesystem::path model_path; //!< what was loaded
+  std::filesystem::path tokenizer_path;
+};
+
+//! Loads `model_path`: a directory is a Hugging Face checkpoint (`config.json`,
+//! `model.safetensors`, `tokenizer.json`); a file is a llama2.c checkpoint whose tokenizer is
+//! `tokenizer_path` or, when empty, `tokenizer.bin` beside the model. For llama2.c tokenizers the
+//! SentencePiece dummy-prefix rule is read from a `tokenizer.model` beside `tokenizer.bin` when
+//! there is one (pycode-15m has none), else run.c's behaviour (dummy prefix) applies.
+//! Throws `load_error` for missing or corrupt files and for a tokenizer whose vocabulary differs
+//! from the model's.
+[[nodiscard]] loaded_model load(const std::filesystem::path& model_path,
+                                const std::filesystem::path& tokenizer_path = {});
+
+//! Reads `add_dummy_prefix` from a SentencePiece `tokenizer.model` (protobuf `ModelProto`,
+//! field 3 `normalizer_spec`, its field 3); true when the field is absent (the protobuf default).
+//! Throws `load_error` on an unreadable or malformed file.
+[[nodiscard]] bool sentencepiece_adds_dummy_prefix(const std::filesystem::path& model_file);
+
+}  // namespace medusa_llama

@@ -1,0 +1,289 @@
+// SPDX-License-Identifier: Apache-2.0
+// medusa-run: generate text with a Llama model on the CPU, plainly and with Medusa heads, and
+// compare the two.
+//
+//   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
+//              [--tree PRESET|TEXT|FILE] [--policy greedy|typical|rejection] [--temperature T]
+//              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
+//              [--mode vanilla|medusa|both] [--json]
+#include <medusa/medusa.hpp>
+
+#include <medusa_llama/decoder_model.hpp>
+#include <medusa_llama/engine.hpp>
+#include <medusa_llama/load.hpp>
+#include <medusa_llama/thread_pool.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "tool_common.hpp"
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <unistd.h>
+#include <variant>
+#include <vector>
+
+namespace {
+
+using medusa_tools::usage_error;
+
+struct run_args {
+  std::string model, tokenizer, heads, tree = "mc_sim_7b_63", policy = "greedy", prompt, prompt_file,
+      mode = "medusa";
+  bool prompt_given = false;
+  float temperature = -1.0f;  // < 0: the policy's default
+  float top_p = 1.0f;
+  std::uint64_t seed = 0;
+  int max_new_tokens = 256;
+  int threads = 0;
+  bool json = false;
+};
+
+// Head-stack forward on a thread pool: the GEMM policy's parallel-for.
+struct pool_for {
+  medusa_llama::thread_pool* pool;
+  template <class F>
+  void operator()(std::size_t n, F&& body) const {
+    pool->run(static_cast<int>(n), [&](int chunk, int) { body(static_cast<std::size_t>(chunk)); });
+  }
+};
+using head_gemm = medusa::portable_gemm<pool_for>;
+
+// `random:K[:SEED]`: K heads of one ResBlock with random weights, projections copied from the
+// base classifier. Decoding stays exact; acceptance is low.
+medusa::head_weights random_heads(const std::string& spec, const medusa_llama::model& m) {
+  int k = 0;
+  unsigned long long seed = 0;
+  char extra = 0;
+  const int got = std::sscanf(spec.c_str(), "random:%d:%llu%c", &k, &seed, &extra);
+  if (!(got == 1 || got == 2) || k < 1 || k > 64)
+    throw usage_error("--heads " + spec + ": expected random:K or random:K:SEED with 1 <= K <= 64");
+  const auto d = static_cast<std::size_t>(m.config().dim), v = static_cast<std::size_t>(m.config().vocab_size);
+  auto w = medusa::head_weights::initialize(d, v, static_cast<std::size_t>(k), 1, medusa::projection_kind::per_head,
+                                            medusa::weight_dtype::f32, medusa::weight_ptr::of(m.classifier()), seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(d)));
+  for (std::size_t h = 0; h < static_cast<std::size_t>(k); ++h) {
+    auto bytes = w.resblock_weight_bytes(h, 0);
+    auto* f = reinterpret_cast<float*>(bytes.data());
+    for (std::size_t i = 0; i < d * d; ++i) f[i] = normal(rng);
+  }
+  return w;
+}
+
+medusa::tree load_tree(const std::string& spec) {
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(spec, ec)) return medusa::tree::from_file(spec);
+  return medusa::tree::from_text(spec);
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw usage_error("--prompt-file " + path + ": cannot open");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Streams decoded text of generated tokens to stdout (unless quiet).
+class text_sink {
+ public:
+  text_sink(const medusa_llama::tokenizer& tok, int prev, bool print) : tok_(tok), prev_(prev), print_(print) {}
+  void operator()(std::int32_t token) {
+    std::string piece = tok_.decode_piece(prev_, token);
+    prev_ = token;
+    text_ += piece;
+    if (print_) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    }
+  }
+  [[nodiscard]] const std::string& text() const noexcept { return text_; }
+
+ private:
+  const medusa_llama::tokenizer& tok_;
+  int prev_;
+  bool print_;
+  std::string text_;
+};
+
+struct run_report {
+  std::string mode;
+  medusa::decode_result result;
+  std::string text;
+};
+
+nlohmann::json to_json(const run_report& r) {
+  const auto& s = r.result.stats;
+  nlohmann::json j;
+  j["mode"] = r.mode;
+  j["tokens"] = r.result.tokens;
+  j["text"] = r.text;
+  j["new_tokens"] = s.new_tokens;
+  j["steps"] = s.steps;
+  j["mean_accepted"] = s.mean_accepted();
+  j["seconds"] = s.seconds.total;
+  j["tokens_per_second"] = s.tokens_per_second();
+  j["stop_reason"] = std::string(medusa::to_string(r.result.reason));
+  j["prompt_tokens"] = s.prompt_tokens;
+  if (r.mode == "medusa") {
+    j["accepted_histogram"] = s.accepted_histogram;
+    j["accepted_at_depth"] = s.accepted_at_depth;
+    j["phase_seconds"] = {{"prefill", s.seconds.prefill}, {"heads", s.seconds.heads},
+                          {"candidates", s.seconds.candidates}, {"forward", s.seconds.forward},
+                          {"accept", s.seconds.accept}, {"commit", s.seconds.commit}};
+  }
+  return j;
+}
+
+int run(const run_args& a) {
+  if (a.mode != "vanilla" && a.mode != "medusa" && a.mode != "both")
+    throw usage_error("--mode must be vanilla, medusa or both, got " + a.mode);
+  if (a.policy != "greedy" && a.policy != "typical" && a.policy != "rejection")
+    throw usage_error("--policy must be greedy, typical or rejection, got " + a.policy);
+  if (a.max_new_tokens < 0) throw usage_error("--max-new-tokens must be >= 0");
+  if (!a.prompt.empty() && !a.prompt_file.empty()) throw usage_error("give --prompt or --prompt-file, not both");
+  const bool want_medusa = a.mode != "vanilla";
+
+  // Everything that can be checked is checked before the slow parts start.
+  std::optional<medusa::tree> tree;
+  if (want_medusa) tree = load_tree(a.tree);
+  const std::string prompt_text = a.prompt_file.empty() ? a.prompt : read_text_file(a.prompt_file);
+
+  medusa_llama::loaded_model lm = medusa_llama::load(a.model, a.tokenizer);
+  const auto& cfg = lm.weights.config();
+  std::vector<std::int32_t> prompt;
+  for (int id : lm.tok->encode(prompt_text, /*bos=*/true, /*eos=*/false)) prompt.push_back(id);
+  if (prompt.size() >= static_cast<std::size_t>(cfg.seq_len))
+    throw medusa::decode_error("prompt of " + std::to_string(prompt.size()) + " tokens does not fit the context of " +
+                               std::to_string(cfg.seq_len) + " tokens (leave room for at least one new token)");
+
+  medusa::head_weights head_w;
+  if (want_medusa) {
+    if (a.heads.empty())
+      throw usage_error("--mode " + a.mode + " needs --heads (a heads file or directory, or random:K[:SEED])");
+    if (a.heads.rfind("random:", 0) == 0) {
+      head_w = random_heads(a.heads, lm.weights);
+    } else {
+      medusa::head_load_options opt;
+      opt.hidden_size = static_cast<std::size_t>(cfg.dim);
+      opt.vocab_size = static_cast<std::size_t>(cfg.vocab_size);
+      opt.min_heads = static_cast<std::size_t>(tree->depth());
+      opt.dtype = medusa::weight_dtype::f32;
+      auto loaded = medusa::load_heads(a.heads, opt);
+      for (const auto& w : loaded.warnings) std::fprintf(stderr, "medusa-run: warning: %s\n", w.message.c_str());
+      head_w = std::move(loaded.heads);
+    }
+    if (static_cast<int>(head_w.num_heads()) < tree->depth())
+      throw medusa::decode_error("the tree is " + std::to_string(tree->depth()) + " deep but only " +
+                                 std::to_string(head_w.num_heads()) + " heads are loaded");
+  }
+
+  medusa_llama::engine_options eo;
+  eo.threads = a.threads;
+  eo.max_batch = std::max(64, want_medusa ? tree->num_nodes() : 1);
+  eo.backend = medusa_llama::gemm_backend::builtin;
+  medusa_llama::engine engine(std::move(lm.weights), eo);
+  medusa_llama::decoder_model model(engine);
+  medusa_llama::thread_pool head_pool(engine.threads());
+  head_gemm gemm{pool_for{&head_pool}};
+
+  medusa::decode_options dopt;
+  dopt.max_new_tokens = a.max_new_tokens;
+  dopt.eos_token = lm.tok->eos_id();
+  dopt.seed = a.seed;
+  const int bos = lm.tok->bos_id();
+  const bool stream = !a.json;
+
+  auto run_policy = [&](auto policy) {
+    std::vector<run_report> reports;
+    auto one = [&](const std::string& mode) {
+      if (stream && a.mode == "both") std::printf("--- %s ---\n", mode.c_str());
+      text_sink sink(*lm.tok, prompt.back(), stream);
+      // A generated BOS starts a new document: stop there, as llama2.c's run.c does.
+      auto on_token = [&](std::int32_t t) {
+        sink(t);
+        return t != bos;
+      };
+      run_report r;
+      r.mode = mode;
+      if (mode == "vanilla") {
+        r.result = medusa::generate_vanilla(model, prompt, policy, dopt, on_token);
+      } else {
+        auto stack = head_w.kind() == medusa::projection_kind::per_head
+                         ? head_w.view()
+                         : head_w.view(medusa::weight_ptr::of(engine.weights().classifier()),
+                                       static_cast<std::size_t>(cfg.vocab_size));
+        medusa::head_stack_runner<medusa::head_stack<>, head_gemm> heads(&stack, &gemm);
+        medusa::decoder dec(model, heads, *tree, policy);
+        r.result = dec.generate(prompt, dopt, on_token);
+      }
+      r.text = sink.text();
+      if (stream) std::printf("\n");
+      if (a.json) std::printf("%s\n", to_json(r).dump().c_str());
+      reports.push_back(std::move(r));
+    };
+    if (a.mode != "medusa") one("vanilla");
+    if (a.mode != "vanilla") one("medusa");
+    if (stream) {
+      for (const auto& r : reports) {
+        const auto& s = r.result.stats;
+        std::fprintf(stderr, "%-7s %4d tokens in %6.3f s: %7.1f tokens/s, %5.2f tokens/step (%s)\n", r.mode.c_str(),
+                     s.new_tokens, s.seconds.total, s.tokens_per_second(), s.mean_accepted(),
+                     std::string(medusa::to_string(r.result.reason)).c_str());
+      }
+      if (reports.size() == 2) {
+        const bool same = reports[0].result.tokens == reports[1].result.tokens;
+        const double speedup = reports[0].result.stats.tokens_per_second() > 0
+                                   ? reports[1].result.stats.tokens_per_second() /
+                                         reports[0].result.stats.tokens_per_second()
+                                   : 0.0;
+        std::fprintf(stderr, "tokens identical: %s%s\nspeedup (medusa / vanilla tokens per second): %.2fx\n",
+                     same ? "yes" : "no",
+                     a.policy == "greedy" ? "" : " (only greedy decoding is expected to match token for token)",
+                     speedup);
+      }
+    }
+  };
+
+  if (a.policy == "greedy") {
+    run_policy(medusa::greedy_policy{});
+  } else if (a.policy == "typical") {
+    medusa::typical_policy p;
+    p.temperature = a.temperature < 0 ? 0.7f : a.temperature;
+    run_policy(p);
+  } else {
+    medusa::rejection_policy p;
+    p.temperature = a.temperature < 0 ? 1.0f : a.temperature;
+    p.top_p = a.top_p;
+    run_policy(p);
+  }
+  return medusa_tools::exit_ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Generate text with a Llama model on the CPU, plainly and with Medusa heads", "medusa-run"};
+  run_args a;
+  app.add_option("--model", a.model, "llama2.c .bin file or Hugging Face model directory")->required();
+  app.add_option("--tokenizer", a.tokenizer, "tokenizer (default: tokenizer.bin beside a .bin model, tokenizer.json in a directory)");
+  app.add_option("--heads", a.heads, "heads file or directory (medusa-train output), or random:K[:SEED]");
+  app.add_option("--tree", a.tree, "preset name, tree text ([[0],[0,0],...]) or a file")->capture_default_str();
+  app.add_option("--policy", a.policy, "greedy | typical | rejection")->capture_default_str();
+  app.add_option("--temperature", a.temperature, "sampling temperature (typical: 0.7, rejection: 1.0 by default)");
+  app.add_option("--top-p", a.top_p, "nucleus mass for --policy rejection (1 = off)")->capture_default_str();
+  app.add_option("--seed", a.seed, "random seed of the sampling policies")->capture_default_str();
+  app.add_option("--prompt", a.prompt, "prompt text (\"\" = start from BOS alone)");
+  app.add_option("--prompt-file", a.prompt_file, "read the prompt from a file");
+  app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate")->capture_default_str();
+  app.add_option("--mode", a.mode, "vanilla | medusa | both")->capture_default_str();
+  app.add_option("--threads", a.threads, "threads (0 = all cores)")->capture_default_str();
+  app.add_flag("--json", a.json, "print one JSON line per run instead of streaming text");
+  return medusa_tools::run_tool(app, argc, argv, [&] { return run(a); });
+}
