@@ -23,7 +23,6 @@
 #include <fstream>
 #include <iterator>
 #include <optional>
-#include <random>
 #include <sstream>
 #include <string>
 #include <unistd.h>
@@ -56,26 +55,15 @@ struct pool_for {
 };
 using head_gemm = medusa::portable_gemm<pool_for>;
 
-// `random:K[:SEED]`: K heads of one ResBlock with random weights, projections copied from the
-// base classifier. Decoding stays exact; acceptance is low.
-medusa::head_weights random_heads(const std::string& spec, const medusa_llama::model& m) {
+// `random:K[:SEED]`: see medusa_llama::random_heads.
+medusa::head_weights parse_random_heads(const std::string& spec, const medusa_llama::model& m) {
   int k = 0;
   unsigned long long seed = 0;
   char extra = 0;
   const int got = std::sscanf(spec.c_str(), "random:%d:%llu%c", &k, &seed, &extra);
   if (!(got == 1 || got == 2) || k < 1 || k > 64)
     throw usage_error("--heads " + spec + ": expected random:K or random:K:SEED with 1 <= K <= 64");
-  const auto d = static_cast<std::size_t>(m.config().dim), v = static_cast<std::size_t>(m.config().vocab_size);
-  auto w = medusa::head_weights::initialize(d, v, static_cast<std::size_t>(k), 1, medusa::projection_kind::per_head,
-                                            medusa::weight_dtype::f32, medusa::weight_ptr::of(m.classifier()), seed);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(d)));
-  for (std::size_t h = 0; h < static_cast<std::size_t>(k); ++h) {
-    auto bytes = w.resblock_weight_bytes(h, 0);
-    auto* f = reinterpret_cast<float*>(bytes.data());
-    for (std::size_t i = 0; i < d * d; ++i) f[i] = normal(rng);
-  }
-  return w;
+  return medusa_llama::random_heads(m, k, seed);
 }
 
 medusa::tree load_tree(const std::string& spec) {
@@ -168,7 +156,7 @@ int run(const run_args& a) {
     if (a.heads.empty())
       throw usage_error("--mode " + a.mode + " needs --heads (a heads file or directory, or random:K[:SEED])");
     if (a.heads.rfind("random:", 0) == 0) {
-      head_w = random_heads(a.heads, lm.weights);
+      head_w = parse_random_heads(a.heads, lm.weights);
     } else {
       medusa::head_load_options opt;
       opt.hidden_size = static_cast<std::size_t>(cfg.dim);

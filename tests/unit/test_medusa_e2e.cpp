@@ -10,9 +10,7 @@
 
 #include <doctest/doctest.h>
 
-#include <cmath>
 #include <filesystem>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -26,20 +24,6 @@ bool have(const std::filesystem::path& p) {
   return false;
 }
 
-// K heads, one ResBlock each, random W, projections copied from the base classifier.
-medusa::head_weights random_heads(const medusa_llama::model& m, int k, std::uint64_t seed) {
-  const auto d = static_cast<std::size_t>(m.config().dim), v = static_cast<std::size_t>(m.config().vocab_size);
-  auto w = medusa::head_weights::initialize(d, v, static_cast<std::size_t>(k), 1, medusa::projection_kind::per_head,
-                                            medusa::weight_dtype::f32, medusa::weight_ptr::of(m.classifier()), seed);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(d)));
-  for (std::size_t h = 0; h < static_cast<std::size_t>(k); ++h) {
-    auto* f = reinterpret_cast<float*>(w.resblock_weight_bytes(h, 0).data());
-    for (std::size_t i = 0; i < d * d; ++i) f[i] = normal(rng);
-  }
-  return w;
-}
-
 void check_lossless(const std::filesystem::path& model_path, const std::filesystem::path& tokenizer_path,
                     const std::vector<std::string>& prompts, const std::vector<std::string>& trees, int new_tokens) {
   auto lm = medusa_llama::load(model_path, tokenizer_path);
@@ -50,7 +34,7 @@ void check_lossless(const std::filesystem::path& model_path, const std::filesyst
     for (int id : lm.tok->encode(p, true, false)) ids.push_back(id);
     encoded.push_back(ids);
   }
-  auto heads_w = random_heads(lm.weights, 5, 17);
+  auto heads_w = medusa_llama::random_heads(lm.weights, 5, 17);
   medusa_llama::engine_options eo;
   eo.max_batch = 64;
   eo.threads = 2;

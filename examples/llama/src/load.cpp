@@ -2,7 +2,9 @@
 #include <medusa_llama/errors.hpp>
 #include <medusa_llama/load.hpp>
 
+#include <cmath>
 #include <cstdint>
+#include <random>
 #include <fstream>
 #include <iterator>
 #include <string_view>
@@ -110,6 +112,20 @@ loaded_model load(const std::filesystem::path& model_path, const std::filesystem
                      "tokenizer has " + std::to_string(tok->vocab_size()) + " tokens, the model " +
                          std::to_string(weights.config().vocab_size));
   return loaded_model{std::move(weights), std::move(tok), model_path, tok_path};
+}
+
+medusa::head_weights random_heads(const model& m, int heads, std::uint64_t seed) {
+  if (heads < 1) throw engine_error(engine_errc::bad_option, "random_heads: need at least one head, got " + std::to_string(heads));
+  const auto d = static_cast<std::size_t>(m.config().dim), v = static_cast<std::size_t>(m.config().vocab_size);
+  auto w = medusa::head_weights::initialize(d, v, static_cast<std::size_t>(heads), 1, medusa::projection_kind::per_head,
+                                            medusa::weight_dtype::f32, medusa::weight_ptr::of(m.classifier()), seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(d)));
+  for (std::size_t h = 0; h < static_cast<std::size_t>(heads); ++h) {
+    auto* f = reinterpret_cast<float*>(w.resblock_weight_bytes(h, 0).data());
+    for (std::size_t i = 0; i < d * d; ++i) f[i] = normal(rng);
+  }
+  return w;
 }
 
 }  // namespace medusa_llama

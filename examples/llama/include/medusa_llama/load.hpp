@@ -9,6 +9,8 @@
 //! @endcode
 #pragma once
 
+#include <medusa/io/head_checkpoint.hpp>
+
 #include <medusa_llama/model.hpp>
 #include <medusa_llama/tokenizer.hpp>
 
@@ -40,5 +42,10 @@ struct loaded_model {
 //! field 3 `normalizer_spec`, its field 3); true when the field is absent (the protobuf default).
 //! Throws `load_error` on an unreadable or malformed file.
 [[nodiscard]] bool sentencepiece_adds_dummy_prefix(const std::filesystem::path& model_file);
+
+//! `heads` Medusa heads of one ResBlock each with random weights (W ~ N(0, 1/d), seeded) and
+//! projections copied from the model's classifier: decoding with them is exact but accepts few
+//! drafts. For tests and demos without trained heads.
+[[nodiscard]] medusa::head_weights random_heads(const model& m, int heads, std::uint64_t seed);
 
 }  // namespace medusa_llama
