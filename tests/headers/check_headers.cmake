@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Compiles every public header alone. MODE=cxx: include/medusa/**/*.hpp with the C++ compiler.
-# MODE=cuda: include/medusa/cuda/**/*.cuh with nvcc for sm_80 and sm_90 (exit 77 = skipped when
-# nvcc is absent). Any failure prints the compiler output and fails the test.
+# MODE=cuda: include/medusa/cuda/**/*.cuh, and every core header with MEDUSA_HOST_DEVICE code,
+# with nvcc for sm_80 and sm_90 (exit 77 = skipped when nvcc is absent). Any failure prints the compiler output and fails the test.
 if(MODE STREQUAL "cuda" AND (NOT COMPILER OR NOT EXISTS "${COMPILER}"))
   message("nvcc not found: CUDA header checks skipped")
   cmake_language(EXIT 77)
@@ -11,6 +11,14 @@ if(MODE STREQUAL "cxx")
   file(GLOB_RECURSE headers RELATIVE "${INCLUDE_DIR}" "${INCLUDE_DIR}/medusa/*.hpp")
 else()
   file(GLOB_RECURSE headers RELATIVE "${INCLUDE_DIR}" "${INCLUDE_DIR}/medusa/cuda/*.cuh")
+  # Core headers with host/device code must compile under nvcc too: kernels include them.
+  file(GLOB_RECURSE core RELATIVE "${INCLUDE_DIR}" "${INCLUDE_DIR}/medusa/*.hpp")
+  foreach(h IN LISTS core)
+    file(READ "${INCLUDE_DIR}/${h}" text)
+    if(text MATCHES "MEDUSA_HOST_DEVICE [a-z]")
+      list(APPEND headers "${h}")
+    endif()
+  endforeach()
 endif()
 list(SORT headers)
 set(failed 0)
