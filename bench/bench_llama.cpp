@@ -3,7 +3,8 @@
 //  * BM_decode: vanilla single-token decode at a context of 128, with the fraction of the
 //    bandwidth roofline it reaches (weight bytes ÷ measured read bandwidth ÷ time per token);
 //  * BM_tree_step: one forward of N tree tokens (a random tree, N = 1..64) at a context of 128, and
-//    its cost relative to N = 1 (the denominator of Medusa's speedup).
+//    its cost relative to N = 1 of the same weight format (the denominator of Medusa's speedup).
+// Both with float32 (weights:0) and bf16 (weights:1) packed weights; backend 2 = OpenBLAS for T > 1.
 // Set MEDUSA_SHARED_DIR to point elsewhere; skipped when the model is absent.
 #include <medusa_llama/llama.hpp>
 
@@ -84,7 +85,8 @@ void BM_decode(benchmark::State& state) {
     return;
   }
   const int threads = static_cast<int>(state.range(0));
-  engine e(*m, {.capacity = 512, .threads = threads});
+  const auto fmt = static_cast<weight_format>(state.range(1));
+  engine e(*m, {.capacity = 512, .threads = threads, .weights = fmt});
   std::vector<float> logits(static_cast<std::size_t>(m->config().vocab_size));
   e.prefill(context_tokens(), 0, logits, {});
   int tok = 300;
@@ -105,7 +107,7 @@ void BM_decode(benchmark::State& state) {
   state.counters["roofline_ms"] = 1e3 * static_cast<double>(m->weight_bytes()) / bw;
   state.counters["tok_per_s"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
 }
-BENCHMARK(BM_decode)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_decode)->ArgsProduct({{1, 2}, {0, 1}})->ArgNames({"threads", "weights"})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // A random tree of N nodes (parents uniformly among earlier nodes, so depth grows like log N)
 // packed as the engine's mask rows.
@@ -133,7 +135,8 @@ void BM_tree_step(benchmark::State& state) {
   }
   const int n = static_cast<int>(state.range(0));
   const auto backend = static_cast<gemm_backend>(state.range(1));
-  engine e(*m, {.capacity = 512, .max_batch = 64, .threads = 2, .backend = backend});
+  const auto fmt = static_cast<weight_format>(state.range(2));
+  engine e(*m, {.capacity = 512, .max_batch = 64, .threads = 2, .backend = backend, .weights = fmt});
   const auto V = static_cast<std::size_t>(m->config().vocab_size);
   std::vector<float> last(V);
   e.prefill(context_tokens(), 0, last, {});
@@ -156,18 +159,19 @@ void BM_tree_step(benchmark::State& state) {
   }
   const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
                           static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
-  // The cost curve time(N) / time(1), relative to the N = 1 run of this process (same backend).
+  // The cost curve time(N) / time(1), relative to the N = 1 run of this process with the same
+  // weight format (automatic backend).
   static std::map<long, double> one;
-  if (n == 1) one[state.range(1)] = per_step;
-  if (auto it = one.find(static_cast<long>(gemm_backend::automatic)); it != one.end())
+  if (n == 1) one[state.range(2)] = per_step;
+  if (auto it = one.find(state.range(2)); it != one.end())
     state.counters["cost_vs_N1"] = per_step / it->second;
   state.counters["tokens"] = n;
   state.counters["tok_per_s"] = benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_tree_step)
-    ->ArgsProduct({{1, 4, 8, 16, 32, 64}, {static_cast<long>(gemm_backend::automatic)}})
-    ->ArgsProduct({{4, 16, 64}, {static_cast<long>(gemm_backend::blas)}})
-    ->ArgNames({"N", "backend"})
+    ->ArgsProduct({{1, 4, 8, 16, 32, 64}, {static_cast<long>(gemm_backend::automatic)}, {0, 1}})
+    ->ArgsProduct({{4, 16, 64}, {static_cast<long>(gemm_backend::blas)}, {0}})
+    ->ArgNames({"N", "backend", "weights"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

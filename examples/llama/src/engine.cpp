@@ -5,6 +5,7 @@
 #include <medusa_llama/thread_pool.hpp>
 
 #include "attention.hpp"
+#include "gemm.hpp"
 #include "kernels.hpp"
 
 #include <algorithm>
@@ -127,7 +128,7 @@ struct engine::impl {
   impl(model mm, engine_options o) : m(std::move(mm)), c(m.config()), opt(o), pool(o.threads) {}
 
   [[nodiscard]] bool use_blas(int T) const {
-    if (T <= 1 || !detail::have_blas()) return false;
+    if (T <= 1 || !detail::have_blas() || opt.weights != weight_format::f32) return false;
     switch (opt.backend) {
       case gemm_backend::builtin: return false;
       case gemm_backend::blas: return true;
@@ -136,35 +137,88 @@ struct engine::impl {
     return false;
   }
 
-  // Y_j (=|+=) X · W_j^T for several projections sharing X, rows split across the threads.
-  struct proj {
-    const float* W;
-    float* Y;
-    int rows;
+  // The projection weights packed once into the kernels' panel layout (gemm.hpp).
+  struct packed_layer {
+    detail::packed_matrix wq, wk, wv, wo, w13, w2;  // w13: w1/w3 interleaved for the fused SwiGLU
   };
-  void linear(std::initializer_list<proj> jobs, const float* X, int T, int in, bool accumulate) {
-    const bool blas = use_blas(T);
+  std::vector<packed_layer> packed;
+  detail::packed_matrix cls;
+
+  void pack_weights() {
+    const weight_format f = opt.weights;
+    const int d = c.dim, kvd = c.kv_dim(), H = c.hidden_dim;
+    packed.resize(sz(c.n_layers));
+    for (int l = 0; l < c.n_layers; ++l) {
+      const layer_weights& w = m.layer(l);
+      auto& p = packed[sz(l)];
+      p.wq = detail::packed_matrix(w.wq, d, d, f);
+      p.wk = detail::packed_matrix(w.wk, kvd, d, f);
+      p.wv = detail::packed_matrix(w.wv, kvd, d, f);
+      p.wo = detail::packed_matrix(w.wo, d, d, f);
+      p.w13 = detail::packed_matrix::swiglu_pair(w.w1, w.w3, H, d, f);
+      p.w2 = detail::packed_matrix(w.w2, d, H, f);
+    }
+    cls = detail::packed_matrix(m.classifier(), c.vocab_size, d, f);
+  }
+
+  // One projection of a packed job: Y (=|+=|swiglu) X · W^T, Y rows ldy apart.
+  struct pjob {
+    const detail::packed_matrix* W;
+    const float* raw;  // the model's row-major weights (OpenBLAS path); null for the SwiGLU pair
+    float* Y;
+    int ldy;
+    detail::epilogue op;
+  };
+  // Several projections sharing X (T rows of `in`), their column groups split across the threads
+  // in one fork-join job.
+  void linear(std::initializer_list<pjob> jobs, const float* X, int T, int in) {
+    if (use_blas(T)) {
+      linear_blas(jobs, X, T, in);
+      return;
+    }
+    const detail::gemm_input gi{X, sz(in), T};
     int total = 0;
-    for (const auto& j : jobs) total += j.rows;
+    for (const auto& j : jobs) total += j.W->groups();
+    const int n = std::max(1, std::min(total, pool.size() == 1 ? 1 : 4 * pool.size()));
+    pool.run(n, [&](int chunk, int) {
+      const int a = total * chunk / n, b = total * (chunk + 1) / n;
+      int base = 0;
+      for (const auto& j : jobs) {
+        const int g0 = std::max(a - base, 0), g1 = std::min(b - base, j.W->groups());
+        if (g0 < g1) detail::gemm_packed(*j.W, gi, j.Y, sz(j.ldy), g0, g1, j.op);
+        base += j.W->groups();
+      }
+    });
+  }
+
+  // The OpenBLAS path (gemm_backend::blas / automatic above blas_min_batch), on the model's own
+  // row-major float32 weights, rows split across the threads.
+  void linear_blas(std::initializer_list<pjob> jobs, const float* X, int T, int in) {
+    for (const auto& j : jobs)
+      if (j.op == detail::epilogue::swiglu) {
+        swiglu_blas(X, T);
+        return;
+      }
+    int total = 0;
+    for (const auto& j : jobs) total += j.W->rows();
     const row_chunks rc(total, pool.size());
     pool.run(rc.n, [&](int chunk, int) {
       int a, b;
       rc.range(chunk, a, b);
       int base = 0;
       for (const auto& j : jobs) {
-        const int r0 = std::max(a - base, 0), r1 = std::min(b - base, j.rows);
-        if (r0 < r1) {
-          if (!(blas && detail::linear_rows_blas(j.W, X, j.Y, T, in, j.rows, r0, r1, accumulate)))
-            detail::linear_rows(j.W, X, j.Y, T, in, j.rows, r0, r1, accumulate);
-        }
-        base += j.rows;
+        const int r0 = std::max(a - base, 0), r1 = std::min(b - base, j.W->rows());
+        const bool acc = j.op == detail::epilogue::add;
+        if (r0 < r1 && !detail::linear_rows_blas(j.raw, X, j.Y, T, in, j.ldy, r0, r1, acc))
+          detail::linear_rows(j.raw, X, j.Y, T, in, j.ldy, r0, r1, acc);
+        base += j.W->rows();
       }
     });
   }
 
-  // hb = silu(xb W1^T) ⊙ (xb W3^T), each thread owning a range of hidden units.
-  void swiglu(const layer_weights& w, int T) {
-    const bool blas = use_blas(T);
+  // h1 = silu(X W1^T) ⊙ (X W3^T) through OpenBLAS, each thread owning a range of hidden units.
+  void swiglu_blas(const float* X, int T) {
+    const layer_weights& w = m.layer(cur_layer);
     const int H = c.hidden_dim, d = c.dim;
     const row_chunks rc(H, pool.size());
     pool.run(rc.n, [&](int chunk, int) {
@@ -172,8 +226,7 @@ struct engine::impl {
       rc.range(chunk, a, b);
       for (const float* W : {w.w1, w.w3}) {
         float* Y = W == w.w1 ? h1.data() : h3.data();
-        if (!(blas && detail::linear_rows_blas(W, xb.data(), Y, T, d, H, a, b, false)))
-          detail::linear_rows(W, xb.data(), Y, T, d, H, a, b, false);
+        if (!detail::linear_rows_blas(W, X, Y, T, d, H, a, b, false)) detail::linear_rows(W, X, Y, T, d, H, a, b, false);
       }
       for (int t = 0; t < T; ++t) {
         float* g = h1.data() + sz(t) * sz(H);
@@ -182,6 +235,7 @@ struct engine::impl {
       }
     });
   }
+  int cur_layer = 0;
 
   void rope(float* vec, int n_heads_here, int pos) const {
     const int hd = c.head_dim(), half = hd / 2;
@@ -252,8 +306,14 @@ struct engine::impl {
     const std::size_t layer_stride = sz(opt.capacity) * sz(kvd);
     for (int l = 0; l < c.n_layers; ++l) {
       const layer_weights& w = m.layer(l);
+      const packed_layer& pw = packed[sz(l)];
+      cur_layer = l;
+      using detail::epilogue;
       for (int t = 0; t < T; ++t) detail::rmsnorm(xb.data() + sz(t) * sz(d), x.data() + sz(t) * sz(d), w.rms_att, d, c.rms_eps);
-      linear({{w.wq, q.data(), d}, {w.wk, k.data(), kvd}, {w.wv, v.data(), kvd}}, xb.data(), T, d, false);
+      linear({{&pw.wq, w.wq, q.data(), d, epilogue::store},
+              {&pw.wk, w.wk, k.data(), kvd, epilogue::store},
+              {&pw.wv, w.wv, v.data(), kvd, epilogue::store}},
+             xb.data(), T, d);
       float* kc = k_cache.data() + sz(l) * layer_stride;
       float* vc = v_cache.data() + sz(l) * layer_stride;
       for (int t = 0; t < T; ++t) {
@@ -265,10 +325,10 @@ struct engine::impl {
       detail::attention_problem ap{q.data(), att.data(), kc, vc, slots.data(), T, c.n_heads, c.n_kv_heads, c.head_dim(),
                                    mask, l, opt.core_attention ? &*view : nullptr};
       detail::attend(ap, score_scratch.data(), slot_scratch.data(), scratch_per_thread, pool);
-      linear({{w.wo, x.data(), d}}, att.data(), T, d, true);
+      linear({{&pw.wo, w.wo, x.data(), d, epilogue::add}}, att.data(), T, d);
       for (int t = 0; t < T; ++t) detail::rmsnorm(xb.data() + sz(t) * sz(d), x.data() + sz(t) * sz(d), w.rms_ffn, d, c.rms_eps);
-      swiglu(w, T);
-      linear({{w.w2, x.data(), d}}, h1.data(), T, H, true);
+      linear({{&pw.w13, nullptr, h1.data(), H, epilogue::swiglu}}, xb.data(), T, d);
+      linear({{&pw.w2, w.w2, x.data(), d, epilogue::add}}, h1.data(), T, H);
     }
     const int R = static_cast<int>(out.rows.size());
     if (R == 0) return;
@@ -282,7 +342,8 @@ struct engine::impl {
       // rows may repeat), so the classifier runs in groups of max_batch rows.
       for (int r0 = 0; r0 < R; r0 += opt.max_batch) {
         const int n = std::min(opt.max_batch, R - r0);
-        linear({{m.classifier(), out.logits.data() + sz(r0) * sz(c.vocab_size), c.vocab_size}}, xf.data() + sz(r0) * sz(d), n, d, false);
+        linear({{&cls, m.classifier(), out.logits.data() + sz(r0) * sz(c.vocab_size), c.vocab_size, detail::epilogue::store}},
+               xf.data() + sz(r0) * sz(d), n, d);
       }
     }
   }
@@ -297,6 +358,8 @@ engine::engine(model m, engine_options o) {
   if (o.prefill_chunk < 1) bad("prefill_chunk " + std::to_string(o.prefill_chunk) + " must be positive");
   o.prefill_chunk = std::min(o.prefill_chunk, o.max_batch);
   if (o.threads < 0 || o.threads > 256) bad("threads " + std::to_string(o.threads) + " is outside [0, 256]");
+  if (o.weights != weight_format::f32 && o.weights != weight_format::bf16)
+    bad("weight format " + std::to_string(static_cast<int>(o.weights)) + " is unknown");
   if (o.blas_min_batch < 2) bad("blas_min_batch " + std::to_string(o.blas_min_batch) + " must be at least 2");
   p_ = std::make_unique<impl>(std::move(m), o);
   auto& s = *p_;
@@ -317,6 +380,7 @@ engine::engine(model m, engine_options o) {
   s.h1.assign(B * H, 0.0f);
   s.h3.assign(B * H, 0.0f);
   s.xf.assign(B * d, 0.0f);
+  s.pack_weights();
   s.view = medusa::make_kv_view<float>(std::span<float>(s.k_cache), std::span<float>(s.v_cache),
                                        medusa::kv_extents{c.n_layers, c.n_kv_heads, c.head_dim()}, o.capacity,
                                        medusa::kv_layout::nhd);

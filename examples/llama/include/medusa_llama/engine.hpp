@@ -37,6 +37,14 @@ enum class gemm_backend {
   blas,       //!< always OpenBLAS sgemm when T > 1 (falls back to built-in when not linked)
 };
 
+//! Precision of the projection weights inside the engine (the `model` itself stays float32).
+enum class weight_format {
+  f32,   //!< float32 weights and arithmetic (default; matches the reference outputs)
+  bf16,  //!< weights rounded once to bf16 at construction, activations rounded to bf16 per
+         //!< projection, float32 accumulation (AVX512-BF16 `vdpbf16ps`): half the weight bytes,
+         //!< twice the arithmetic rate; logits move by ~1e-2 (see docs/engine.md)
+};
+
 //! Sizes and threading of an engine.
 struct engine_options {
   int capacity = 0;        //!< KV slots per layer; 0 = the model's seq_len
@@ -44,11 +52,16 @@ struct engine_options {
   int prefill_chunk = 64;  //!< tokens per chunk in `prefill` (≤ max_batch)
   int threads = 0;         //!< threads including the caller; 0 = all hardware threads
   gemm_backend backend = gemm_backend::automatic;  //!< projection kernels
-  int blas_min_batch = 48;  //!< with `automatic`, batches of at least this many tokens use OpenBLAS
+  //! With `automatic`, batches of at least this many tokens use OpenBLAS (the built-in packed
+  //! kernel is faster at every batch size measured, so by default never).
+  int blas_min_batch = 1 << 20;
   //! Use the core `medusa::tree_attention` (include/medusa/attention.hpp) when the batch sits at
   //! slots prefix_len + i (prefill, decode, tree steps); other slot layouts and `false` use the
   //! engine's own kernel.
   bool core_attention = true;
+  //! Weight precision of the projections (packed once at construction). With `bf16` every
+  //! projection runs the bf16 kernel whatever `backend` says.
+  weight_format weights = weight_format::f32;
 };
 
 //! Which earlier tokens each row of a batch attends to.

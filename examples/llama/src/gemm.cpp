@@ -1,0 +1,368 @@
+// SPDX-License-Identifier: Apache-2.0
+// Packed-panel projection kernels (see gemm.hpp). The AVX-512 micro-tile keeps MR tokens × 2
+// panels (32 columns) of float32 accumulators in registers: per k it loads two weight vectors and
+// broadcasts MR activations (16 FMAs for 10 loads at MR = 8). One or two tokens split k over 2-4
+// accumulator sets instead, so the single-token GEMV is bound by weight streaming, not FMA latency.
+#include "gemm.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <new>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace medusa_llama::detail {
+
+namespace {
+constexpr int kPanel = 16;  // output columns per panel
+constexpr int kMaxMR = 8;   // tokens per micro-tile
+std::size_t sz(int v) { return static_cast<std::size_t>(v); }
+[[maybe_unused]] float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+}  // namespace
+
+std::uint16_t bf16_round(float f) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+float bf16_to_float(std::uint16_t h) noexcept { return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16); }
+
+void packed_matrix::free_aligned::operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t{64}); }
+
+void packed_matrix::allocate(int panels) {
+  panels_ = panels;
+  panel_stride_ = fmt_ == weight_format::f32 ? sz(in_) * kPanel : bf16_stride(in_) * kPanel;
+  const std::size_t elem = fmt_ == weight_format::f32 ? sizeof(float) : sizeof(std::uint16_t);
+  bytes_ = sz(panels) * panel_stride_ * elem;
+  data_.reset(new (std::align_val_t{64}) std::byte[std::max<std::size_t>(bytes_, 64)]);
+  std::memset(data_.get(), 0, bytes_);
+}
+
+// Rows [first_row, first_row + n_rows) of W into panel `dst_panel` (n_rows ≤ 16; the rest stay 0).
+void packed_matrix::pack_panel(int dst_panel, const float* W, int first_row, int n_rows) {
+  const std::size_t K = sz(in_);
+  if (fmt_ == weight_format::f32) {
+    float* P = static_cast<float*>(static_cast<void*>(data_.get())) + sz(dst_panel) * panel_stride_;
+    for (int j = 0; j < n_rows; ++j) {
+      const float* w = W + sz(first_row + j) * K;
+      for (std::size_t k = 0; k < K; ++k) P[k * kPanel + sz(j)] = w[k];
+    }
+  } else {
+    std::uint16_t* P = static_cast<std::uint16_t*>(static_cast<void*>(data_.get())) + sz(dst_panel) * panel_stride_;
+    for (int j = 0; j < n_rows; ++j) {
+      const float* w = W + sz(first_row + j) * K;
+      for (std::size_t k = 0; k < K; ++k) P[(k / 2) * 2 * kPanel + sz(j) * 2 + k % 2] = bf16_round(w[k]);
+    }
+  }
+}
+
+packed_matrix::packed_matrix(const float* W, int rows, int in, weight_format fmt) : rows_(rows), in_(in), fmt_(fmt) {
+  const int panels = (rows + kPanel - 1) / kPanel;
+  allocate(panels);
+  for (int p = 0; p < panels; ++p) pack_panel(p, W, p * kPanel, std::min(kPanel, rows - p * kPanel));
+}
+
+packed_matrix packed_matrix::swiglu_pair(const float* gate, const float* up, int rows, int in, weight_format fmt) {
+  packed_matrix m;
+  m.rows_ = rows;
+  m.in_ = in;
+  m.fmt_ = fmt;
+  m.pair_ = true;
+  const int panels = (rows + kPanel - 1) / kPanel;
+  m.allocate(2 * panels);
+  for (int p = 0; p < panels; ++p) {
+    const int n = std::min(kPanel, rows - p * kPanel);
+    m.pack_panel(2 * p, gate, p * kPanel, n);
+    m.pack_panel(2 * p + 1, up, p * kPanel, n);
+  }
+  return m;
+}
+
+#if defined(__AVX512F__)
+namespace {
+
+inline __mmask16 col_mask(int n) { return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u); }
+
+// exp(x) for the SwiGLU epilogue: Cody-Waite reduction, degree-6 polynomial, scalef (≈ 1 ulp;
+// exp(-88.7) and below flush towards 0, +inf input gives +inf).
+inline __m512 exp512(__m512 x) {
+  // Masked forms with an explicit source: GCC 12's plain ones pass _mm512_undefined_ps() and trip
+  // -Wmaybe-uninitialized.
+  const __mmask16 all = 0xffff;
+  x = _mm512_mask_max_ps(x, all, x, _mm512_set1_ps(-104.0f));
+  x = _mm512_mask_min_ps(x, all, x, _mm512_set1_ps(89.0f));
+  const __m512 xl = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_mask_roundscale_ps(xl, all, xl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_mask_scalef_ps(p, all, p, n);
+}
+
+// Writes the MR × NB accumulators of one micro-tile. `cols[b]` = valid columns of panel b.
+template <int MR, int NB>
+inline void write_tile(__m512 (&acc)[MR][NB], float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
+  if constexpr (NB == 2) {
+    if (op == epilogue::swiglu) {
+      const __mmask16 m = col_mask(cols[0]);
+      const __m512 one = _mm512_set1_ps(1.0f);
+#pragma GCC unroll 8
+      for (int t = 0; t < MR; ++t) {
+        const __m512 g = acc[t][0];
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_mask_storeu_ps(Y + sz(t) * ldy, m, _mm512_mul_ps(s, acc[t][1]));
+      }
+      return;
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < MR; ++t)
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) {
+      float* y = Y + sz(t) * ldy + sz(b) * kPanel;
+      const __mmask16 m = col_mask(cols[b]);
+      __m512 v = acc[t][b];
+      if (op == epilogue::add) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, y));
+      _mm512_mask_storeu_ps(y, m, v);
+    }
+}
+
+// One micro-tile, float32 weights: MR tokens × NB panels, KS interleaved accumulator sets over k.
+template <int MR, int NB, int KS>
+void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, int K, float* Y, std::size_t ldy,
+              const int (&cols)[NB], epilogue op) {
+  __m512 acc[KS][MR][NB];
+#pragma GCC unroll 4
+  for (int s = 0; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t)
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_setzero_ps();
+  const float* xr[MR];
+#pragma GCC unroll 8
+  for (int t = 0; t < MR; ++t) xr[t] = X + sz(t) * ldx;
+  int k = 0;
+  for (; k + KS <= K; k += KS) {
+#pragma GCC unroll 4
+    for (int s = 0; s < KS; ++s) {
+      __m512 w[NB];
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) w[b] = _mm512_load_ps(P + sz(b) * ps + sz(k + s) * kPanel);
+#pragma GCC unroll 8
+      for (int t = 0; t < MR; ++t) {
+        const __m512 x = _mm512_set1_ps(xr[t][k + s]);
+#pragma GCC unroll 2
+        for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_fmadd_ps(w[b], x, acc[s][t][b]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    __m512 w[NB];
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) w[b] = _mm512_load_ps(P + sz(b) * ps + sz(k) * kPanel);
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t) {
+      const __m512 x = _mm512_set1_ps(xr[t][k]);
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(w[b], x, acc[0][t][b]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int s = 1; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t)
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_add_ps(acc[0][t][b], acc[s][t][b]);
+  write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
+}
+
+// One micro-tile, bf16 weights, float32 activations and arithmetic. Each uint32 of a panel holds
+// the bf16 weights of k = 2kp (low half) and 2kp + 1 (high half) of one column; a shift and a mask
+// widen them to float32 exactly. (On the machines measured, vdpbf16ps retires at a quarter of the
+// vfmadd231ps rate, so widening and FMA beats it; and the activations need no rounding.)
+template <int MR, int NB, int KS>
+void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size_t ldx, int K, float* Y,
+               std::size_t ldy, const int (&cols)[NB], epilogue op) {
+  __m512 acc[KS][MR][NB];
+#pragma GCC unroll 4
+  for (int s = 0; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t)
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_setzero_ps();
+  const float* xr[MR];
+#pragma GCC unroll 8
+  for (int t = 0; t < MR; ++t) xr[t] = X + sz(t) * ldx;
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const __mmask16 all = 0xffff;  // masked shift: GCC 12's plain one trips -Wmaybe-uninitialized
+  const int KP = K / 2;  // full pairs; an odd K leaves one even k (its odd partner is padding)
+  int kp = 0;
+  for (; kp + KS <= KP; kp += KS) {
+#pragma GCC unroll 4
+    for (int s = 0; s < KS; ++s) {
+      __m512 we[NB], wo[NB];
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) {
+        const __m512i v = _mm512_load_si512(P + sz(b) * ps + sz(kp + s) * 2 * kPanel);
+        we[b] = _mm512_castsi512_ps(_mm512_mask_slli_epi32(v, all, v, 16));
+        wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+      }
+      const std::size_t k = 2 * sz(kp + s);
+#pragma GCC unroll 8
+      for (int t = 0; t < MR; ++t) {
+        const __m512 xe = _mm512_set1_ps(xr[t][k]), xo = _mm512_set1_ps(xr[t][k + 1]);
+#pragma GCC unroll 2
+        for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_fmadd_ps(wo[b], xo, _mm512_fmadd_ps(we[b], xe, acc[s][t][b]));
+      }
+    }
+  }
+  for (; 2 * kp < K; ++kp) {
+    const bool odd = 2 * kp + 1 < K;
+    __m512 we[NB], wo[NB];
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) {
+      const __m512i v = _mm512_load_si512(P + sz(b) * ps + sz(kp) * 2 * kPanel);
+      we[b] = _mm512_castsi512_ps(_mm512_mask_slli_epi32(v, all, v, 16));
+      wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+    }
+    const std::size_t k = 2 * sz(kp);
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t) {
+      const __m512 xe = _mm512_set1_ps(xr[t][k]);
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(we[b], xe, acc[0][t][b]);
+      if (odd) {
+        const __m512 xo = _mm512_set1_ps(xr[t][k + 1]);
+#pragma GCC unroll 2
+        for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(wo[b], xo, acc[0][t][b]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int s = 1; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t)
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_add_ps(acc[0][t][b], acc[s][t][b]);
+  write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
+}
+
+// k-split: one or two tokens leave too few independent accumulators to cover the FMA latency.
+template <int MR>
+constexpr int ksplit() {
+  return MR == 1 ? 4 : MR == 2 ? 2 : 1;
+}
+
+template <int NB, int MR>
+void tile(const packed_matrix& W, const float* P32, const std::uint16_t* P16, const gemm_input& in, int t0, float* Y,
+          std::size_t ldy, const int (&cols)[NB], epilogue op) {
+  float* y = Y + sz(t0) * ldy;
+  if (W.format() == weight_format::bf16) {
+    tile_bf16<MR, NB, ksplit<MR>()>(P16, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
+    return;
+  }
+  tile_f32<MR, NB, ksplit<MR>()>(P32, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
+}
+
+template <int NB>
+void tile_rows(int mr, const packed_matrix& W, const float* P32, const std::uint16_t* P16, const gemm_input& in, int t0,
+               float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
+  switch (mr) {
+    case 1: tile<NB, 1>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 2: tile<NB, 2>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 3: tile<NB, 3>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 4: tile<NB, 4>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 5: tile<NB, 5>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 6: tile<NB, 6>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 7: tile<NB, 7>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    default: tile<NB, 8>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+  }
+}
+
+}  // namespace
+#endif  // __AVX512F__
+
+namespace {
+
+// Portable kernel (no AVX-512): the same arithmetic, column by column.
+[[maybe_unused]] void group_scalar(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g, epilogue op) {
+  const int K = W.in();
+  const int p0 = 2 * g, np = std::min(2, W.panels() - p0);
+  auto weight = [&](int p, int j, int k) {
+    if (W.format() == weight_format::f32) return W.f32()[sz(p) * W.panel_stride() + sz(k) * kPanel + sz(j)];
+    return bf16_to_float(W.b16()[sz(p) * W.panel_stride() + sz(k / 2) * 2 * kPanel + sz(j) * 2 + sz(k % 2)]);
+  };
+  auto act = [&](int t, int k) {
+    return in.x[sz(t) * in.ldx + sz(k)];
+  };
+  auto column = [&](int p, int j, int t) {
+    float s = 0.0f;
+    for (int k = 0; k < K; ++k) s += weight(p, j, k) * act(t, k);
+    return s;
+  };
+  for (int t = 0; t < in.T; ++t) {
+    float* y = Y + sz(t) * ldy;
+    if (op == epilogue::swiglu) {
+      const int c0 = g * kPanel, n = std::min(kPanel, W.rows() - c0);
+      for (int j = 0; j < n; ++j) y[c0 + j] = silu_mul(column(p0, j, t), column(p0 + 1, j, t));
+      continue;
+    }
+    for (int b = 0; b < np; ++b) {
+      const int c0 = (p0 + b) * kPanel, n = std::min(kPanel, W.rows() - c0);
+      for (int j = 0; j < n; ++j) {
+        const float v = column(p0 + b, j, t);
+        y[c0 + j] = op == epilogue::add ? y[c0 + j] + v : v;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op) {
+#if defined(__AVX512F__)
+  const int T = in.T;
+  const int tiles = (T + kMaxMR - 1) / kMaxMR;
+  for (int g = g0; g < g1; ++g) {
+    const int p0 = 2 * g;
+    const float* P32 = W.format() == weight_format::f32 ? W.f32() + sz(p0) * W.panel_stride() : nullptr;
+    const std::uint16_t* P16 = W.format() == weight_format::bf16 ? W.b16() + sz(p0) * W.panel_stride() : nullptr;
+    // Balanced token tiles (sizes differ by at most one): each reads the group's panels once.
+    auto for_tiles = [&](auto&& run) {
+      for (int i = 0, t0 = 0; i < tiles; ++i) {
+        const int mr = (T - t0) / (tiles - i);
+        run(mr, t0);
+        t0 += mr;
+      }
+    };
+    if (W.pair()) {
+      const int c0 = g * kPanel;
+      const int cols[2] = {std::min(kPanel, W.rows() - c0), kPanel};
+      for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+    } else if (p0 + 1 < W.panels()) {
+      const int c0 = p0 * kPanel;
+      const int cols[2] = {kPanel, std::min(kPanel, W.rows() - c0 - kPanel)};
+      for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+    } else {
+      const int c0 = p0 * kPanel;
+      const int cols[1] = {std::min(kPanel, W.rows() - c0)};
+      for_tiles([&](int mr, int t0) { tile_rows<1>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+    }
+  }
+#else
+  for (int g = g0; g < g1; ++g) group_scalar(W, in, Y, ldy, g, op);
+#endif
+}
+
+}  // namespace medusa_llama::detail

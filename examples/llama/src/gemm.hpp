@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0
+// Private: the projection kernels of the engine on weights packed once at load into 16-column
+// panels (float32 or bf16), read linearly by a register-blocked small-M kernel that streams each
+// panel once per tile of up to 8 tokens (the re-reads for more tokens hit L2).
+//
+// Panel layouts (p = panel, 16 output columns c = 16p + j; K = in):
+//  * f32:  [p][k][j]            float,  K × 16 per panel;
+//  * bf16: [p][k/2][j][k%2]     bf16,   ceil(K/2) × 32 per panel, K padded with 0 (one 512-bit
+//    load = 2 k × 16 columns; a shift and a mask widen them to float32).
+// Rows beyond `rows` in the last panel are zero. A fused SwiGLU matrix interleaves the panels of w1
+// and w3 (panel 2p = w1 panel p, 2p + 1 = w3 panel p).
+#pragma once
+
+#include <medusa_llama/engine.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace medusa_llama::detail {
+
+//! What the kernel does with a result column: Y = r, Y += r, or (fused pair) Y = silu(r_w1) · r_w3.
+enum class epilogue { store, add, swiglu };
+
+//! A weight matrix `[rows][in]` (float, row-major) repacked into panels of 16 output columns.
+class packed_matrix {
+ public:
+  packed_matrix() = default;
+  //! Packs W (`rows` × `in`, row-major). `fmt` picks float32 or bf16 (round to nearest even).
+  packed_matrix(const float* W, int rows, int in, weight_format fmt);
+  //! The SwiGLU pair: panels of `gate` and `up` (both `rows` × `in`) interleaved.
+  static packed_matrix swiglu_pair(const float* gate, const float* up, int rows, int in, weight_format fmt);
+
+  [[nodiscard]] int rows() const noexcept { return rows_; }     //!< output columns (per matrix of a pair)
+  [[nodiscard]] int in() const noexcept { return in_; }         //!< reduction length K
+  [[nodiscard]] int panels() const noexcept { return panels_; } //!< 16-column panels stored
+  [[nodiscard]] bool pair() const noexcept { return pair_; }    //!< SwiGLU interleaved pair
+  [[nodiscard]] weight_format format() const noexcept { return fmt_; }
+  //! Units of work for the threads: 2 panels each (32 columns, or 16 columns of a pair).
+  [[nodiscard]] int groups() const noexcept { return (panels_ + 1) / 2; }
+  //! Bytes of packed weights.
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  //! Elements (float or bf16) per panel.
+  [[nodiscard]] std::size_t panel_stride() const noexcept { return panel_stride_; }
+  [[nodiscard]] const float* f32() const noexcept { return static_cast<const float*>(static_cast<const void*>(data_.get())); }
+  [[nodiscard]] const std::uint16_t* b16() const noexcept { return static_cast<const std::uint16_t*>(static_cast<const void*>(data_.get())); }
+
+ private:
+  struct free_aligned {
+    void operator()(std::byte* p) const noexcept;
+  };
+  void allocate(int panels);
+  void pack_panel(int dst_panel, const float* W, int first_row, int n_rows);
+
+  int rows_ = 0, in_ = 0, panels_ = 0;
+  bool pair_ = false;
+  weight_format fmt_ = weight_format::f32;
+  std::size_t panel_stride_ = 0, bytes_ = 0;
+  std::unique_ptr<std::byte[], free_aligned> data_;
+};
+
+//! The activations of one GEMM: T float rows X[t*ldx + k] (float32 for both weight formats: bf16
+//! weights are widened exactly in registers, so only the weights are rounded).
+struct gemm_input {
+  const float* x = nullptr;
+  std::size_t ldx = 0;
+  int T = 0;
+};
+
+//! bf16 elements per packed panel row pair count: `in` rounded up to even.
+[[nodiscard]] inline std::size_t bf16_stride(int in) noexcept { return static_cast<std::size_t>((in + 1) / 2 * 2); }
+
+//! Y[t*ldy + c] (op)= Σ_k X[t][k] · W[c][k] for t < T and the columns of groups [g0, g1) of W
+//! (with `epilogue::swiglu` W must be a pair and Y gets silu(gate) · up for its `rows` columns).
+void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
+
+//! Scalar reference of one bf16 rounding (nearest even; NaN kept quiet).
+[[nodiscard]] std::uint16_t bf16_round(float f) noexcept;
+//! float of a bf16.
+[[nodiscard]] float bf16_to_float(std::uint16_t h) noexcept;
+
+}  // namespace medusa_llama::detail
