@@ -5,7 +5,7 @@
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree PRESET|TEXT|FILE] [--policy greedy|typical|rejection] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
-//              [--mode vanilla|medusa|both] [--json]
+//              [--mode vanilla|medusa|both] [--weights f32|bf16] [--threads N] [--json]
 #include <medusa/medusa.hpp>
 
 #include <medusa_llama/decoder_model.hpp>
@@ -42,6 +42,7 @@ struct run_args {
   std::uint64_t seed = 0;
   int max_new_tokens = 256;
   int threads = 0;
+  std::string weights = "f32";
   bool json = false;
 };
 
@@ -135,6 +136,7 @@ int run(const run_args& a) {
   if (a.policy != "greedy" && a.policy != "typical" && a.policy != "rejection")
     throw usage_error("--policy must be greedy, typical or rejection, got " + a.policy);
   if (a.max_new_tokens < 0) throw usage_error("--max-new-tokens must be >= 0");
+  if (a.weights != "f32" && a.weights != "bf16") throw usage_error("--weights must be f32 or bf16, got " + a.weights);
   if (!a.prompt.empty() && !a.prompt_file.empty()) throw usage_error("give --prompt or --prompt-file, not both");
   const bool want_medusa = a.mode != "vanilla";
 
@@ -167,6 +169,8 @@ int run(const run_args& a) {
       for (const auto& w : loaded.warnings) std::fprintf(stderr, "medusa-run: warning: %s\n", w.message.c_str());
       head_w = std::move(loaded.heads);
     }
+    // Heads follow the engine's weight format: bf16 halves the bytes a step streams.
+    if (a.weights == "bf16") head_w = head_w.to_dtype(medusa::weight_dtype::bf16);
     if (static_cast<int>(head_w.num_heads()) < tree->depth())
       throw medusa::decode_error("the tree is " + std::to_string(tree->depth()) + " deep but only " +
                                  std::to_string(head_w.num_heads()) + " heads are loaded");
@@ -176,6 +180,7 @@ int run(const run_args& a) {
   eo.threads = a.threads;
   eo.max_batch = std::max(64, want_medusa ? tree->num_nodes() : 1);
   eo.backend = medusa_llama::gemm_backend::builtin;
+  eo.weights = a.weights == "bf16" ? medusa_llama::weight_format::bf16 : medusa_llama::weight_format::f32;
   medusa_llama::engine engine(std::move(lm.weights), eo);
   medusa_llama::decoder_model model(engine);
   medusa_llama::thread_pool head_pool(engine.threads());
@@ -272,6 +277,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate")->capture_default_str();
   app.add_option("--mode", a.mode, "vanilla | medusa | both")->capture_default_str();
   app.add_option("--threads", a.threads, "threads (0 = all cores)")->capture_default_str();
+  app.add_option("--weights", a.weights, "engine weight format: f32 | bf16 (half the bytes, f32 arithmetic)")
+      ->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON line per run instead of streaming text");
   return medusa_tools::run_tool(app, argc, argv, [&] { return run(a); });
 }
