@@ -89,6 +89,13 @@ bool sentencepiece_adds_dummy_prefix(const std::filesystem::path& model_file) {
   return dummy_prefix;
 }
 
+bool default_dummy_prefix(const std::filesystem::path& tokenizer_path) {
+  std::error_code ec;
+  const auto sp_model = tokenizer_path.parent_path() / "tokenizer.model";
+  if (tokenizer_path.extension() == ".json" || !std::filesystem::exists(sp_model, ec)) return true;
+  return sentencepiece_adds_dummy_prefix(sp_model);
+}
+
 loaded_model load(const std::filesystem::path& model_path, const std::filesystem::path& tokenizer_path) {
   std::error_code ec;
   if (!std::filesystem::exists(model_path, ec))
@@ -100,13 +107,7 @@ loaded_model load(const std::filesystem::path& model_path, const std::filesystem
     throw load_error(load_errc::open_failed, tok_path.string(),
                      "tokenizer not found (pass --tokenizer: tokenizer.bin for llama2.c models)");
   model weights = hf ? model::load_hf(model_path) : model::load_llama2c(model_path);
-  // llama2.c tokenizers: the SentencePiece model beside them, if any, says whether text gets a
-  // dummy-prefix space; without one, run.c's behaviour applies.
-  const auto sp_model = tok_path.parent_path() / "tokenizer.model";
-  const bool dummy = tok_path.extension() == ".json" || !std::filesystem::exists(sp_model, ec)
-                         ? true
-                         : sentencepiece_adds_dummy_prefix(sp_model);
-  std::unique_ptr<tokenizer> tok = load_tokenizer(tok_path, dummy);
+  std::unique_ptr<tokenizer> tok = load_tokenizer(tok_path, default_dummy_prefix(tok_path));
   if (tok->vocab_size() != weights.config().vocab_size)
     throw load_error(load_errc::bad_tokenizer, tok_path.string(),
                      "tokenizer has " + std::to_string(tok->vocab_size()) + " tokens, the model " +

@@ -38,6 +38,11 @@ struct loaded_model {
 [[nodiscard]] loaded_model load(const std::filesystem::path& model_path,
                                 const std::filesystem::path& tokenizer_path = {});
 
+//! Whether a tokenizer file wants run.c's dummy-prefix space: `tokenizer.json` files decide for
+//! themselves (true here, unused); a llama2.c `tokenizer.bin` follows the SentencePiece model
+//! `tokenizer.model` beside it when there is one, else run.c's behaviour (true).
+[[nodiscard]] bool default_dummy_prefix(const std::filesystem::path& tokenizer_path);
+
 //! Reads `add_dummy_prefix` from a SentencePiece `tokenizer.model` (protobuf `ModelProto`,
 //! field 3 `normalizer_spec`, its field 3); true when the field is absent (the protobuf default).
 //! Throws `load_error` on an unreadable or malformed file.

@@ -1,0 +1,130 @@
+// SPDX-License-Identifier: Apache-2.0
+// medusa-train: trains Medusa-1 heads on the CPU by self-distillation from a frozen base model
+// (see docs/training.md). Writes medusa_heads.safetensors + config.json + calibration.json.
+#include "tool_common.hpp"
+
+#include <medusa_train/openblas_env.hpp>
+#include <medusa_train/pipeline.hpp>
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <unistd.h>
+
+namespace {
+
+std::string duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const long t = std::lround(s);
+  return t >= 3600 ? fmt::format("{}h{:02}m", t / 3600, (t / 60) % 60) : fmt::format("{}:{:02}", t / 60, t % 60);
+}
+
+// One status line: rewritten in place on a terminal, a plain line every few seconds otherwise.
+class status_line {
+ public:
+  status_line() : tty_(isatty(fileno(stderr)) != 0) {}
+  void update(const std::string& s, bool force = false) {
+    if (tty_) {
+      std::fprintf(stderr, "\r\033[K%s", s.c_str());
+      std::fflush(stderr);
+      dirty_ = true;
+      return;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (!force && std::chrono::duration<double>(now - last_).count() < 10.0) return;
+    last_ = now;
+    std::fprintf(stderr, "%s\n", s.c_str());
+  }
+  void line(const std::string& s) {
+    if (tty_ && dirty_) std::fprintf(stderr, "\n");
+    dirty_ = false;
+    std::fprintf(stderr, "%s\n", s.c_str());
+  }
+
+ private:
+  bool tty_;
+  bool dirty_ = false;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  medusa_train::reexec_with_fast_openblas(argv);  // AVX-512 sgemm kernels (5x) where OpenBLAS misdetects the CPU
+  CLI::App app{"Train Medusa heads on the CPU by self-distillation (Medusa-1: frozen backbone and lm_head)", "medusa-train"};
+  medusa_train::run_options o;
+  std::string dtype = "bf16";
+  app.add_option("--model", o.model, "base model: llama2.c model.bin or a Hugging Face directory")->required();
+  app.add_option("--tokenizer", o.tokenizer, "tokenizer (default: tokenizer.json / tokenizer.bin beside the model)");
+  app.add_option("--dummy-prefix", o.dummy_prefix,
+                 "llama2.c tokenizers: prepend a space to prompts (true/false; default: as the SentencePiece "
+                 "model beside tokenizer.bin says, else run.c's behaviour)");
+  auto* prompts = app.add_option("--prompts", o.prompts, "prompt file, one prompt per line (\\n escapes)");
+  auto* corpus = app.add_option("--corpus", o.corpus, "directory of text/code files to cut prompts from");
+  prompts->excludes(corpus);
+  app.add_option("--heads", o.heads, "number of Medusa heads K")->capture_default_str();
+  app.add_option("--layers", o.layers, "ResBlocks per head")->capture_default_str();
+  app.add_option("--out", o.out, "output directory (heads, config.json, calibration.json, cache/)")->required();
+  app.add_option("--cache-dir", o.cache_dir, "self-distillation cache directory (default: OUT/cache)");
+  app.add_option("--tokens", o.tokens, "positions of self-distillation data (train + held-out)")->capture_default_str();
+  app.add_option("--gen-len", o.gen_len, "tokens generated per prompt")->capture_default_str();
+  app.add_option("--prompt-min", o.prompt_min, "shortest prompt (tokens incl. BOS)")->capture_default_str();
+  app.add_option("--prompt-max", o.prompt_max, "longest prompt (tokens incl. BOS)")->capture_default_str();
+  app.add_option("--draft", o.draft, "prompt-lookup draft length while generating data (0 = off)")->capture_default_str();
+  app.add_option("--eval-fraction", o.eval_fraction, "held-out share of files/lines and positions")->capture_default_str();
+  app.add_option("--cache-dtype", dtype, "hidden states on disk: bf16 or f32")->capture_default_str();
+  app.add_option("--epochs", o.epochs, "passes over the training positions")->capture_default_str();
+  app.add_option("--batch", o.batch, "positions per optimiser step")->capture_default_str();
+  app.add_option("--lr", o.opt.lr, "peak learning rate (AdamW, warm-up + cosine)")->capture_default_str();
+  app.add_option("--weight-decay", o.opt.weight_decay, "AdamW decoupled weight decay")->capture_default_str();
+  app.add_option("--warmup", o.opt.warmup_fraction, "warm-up share of the steps")->capture_default_str();
+  app.add_option("--clip", o.opt.clip_norm, "global gradient-norm clip (0 = off)")->capture_default_str();
+  app.add_option("--decay", o.decay, "loss weight of head k is decay^k (1 = unweighted, the reference trainer)")->capture_default_str();
+  app.add_option("--seed", o.seed, "seed of prompts, initialisation and shuffling")->capture_default_str();
+  app.add_option("--threads", o.threads, "threads (0 = all cores)")->capture_default_str();
+  app.add_option("--temperature", o.temperature, "data generation temperature (0 = greedy)")->capture_default_str();
+  app.add_option("--budget-seconds", o.budget_seconds, "wall-clock budget of the whole run (0 = none); the cosine schedule is fitted to it")
+      ->capture_default_str();
+  app.add_option("--decode-prompts", o.decode_prompts, "after training, measure acceptance with the decoder on this many held-out prompts")
+      ->capture_default_str();
+  app.add_option("--decode-tokens", o.decode_tokens, "tokens per acceptance prompt")->capture_default_str();
+  bool quiet = false;
+  app.add_flag("--no-progress", quiet, "no progress lines (errors and the summary only)");
+
+  return medusa_tools::run_tool(app, argc, argv, [&] {
+    if (o.prompts.empty() && o.corpus.empty()) throw medusa_tools::usage_error("give --prompts FILE or --corpus DIR");
+    if (dtype == "bf16") o.cache_dtype = medusa::weight_dtype::bf16;
+    else if (dtype == "f32") o.cache_dtype = medusa::weight_dtype::f32;
+    else throw medusa_tools::usage_error("--cache-dtype must be bf16 or f32, got " + dtype);
+    status_line st;
+    medusa_train::run_events ev;
+    ev.log = [&](const std::string& s) { st.line(s); };
+    if (!quiet) {
+      ev.on_distill = [&](const medusa_train::distill_progress& p) {
+        st.update(fmt::format("data  {:>8}/{} positions  {:>5} seqs  {:6.0f} tok/s  elapsed {}  ETA {}", p.rows, p.target_rows,
+                              p.sequences, p.tokens_per_second, duration(p.elapsed), duration(p.eta)));
+      };
+      ev.on_fit = [&](const medusa_train::fit_progress& p) {
+        std::string acc;
+        for (double a : p.head_top1) acc += fmt::format(" {:4.1f}", 100 * a);
+        st.update(fmt::format("train step {:>6}/{}  loss {:.4f}  top1%{}  lr {:.2e}  {:6.0f} pos/s  elapsed {}  ETA {}", p.step,
+                              p.total_steps, p.loss, acc, p.lr, p.positions_per_second, duration(p.elapsed), duration(p.eta)),
+                  p.step == p.total_steps);
+      };
+    }
+    const auto r = medusa_train::run_training(o, ev);
+    st.line(fmt::format("trained {} steps ({} positions seen, {} available) in {:.1f} s{}", r.fit.steps, r.fit.positions_seen,
+                        r.fit.train_positions, r.fit.seconds, r.fit.budget_limited ? " (shortened by the budget)" : ""));
+    st.line(fmt::format("held-out: {} sequences, {} positions; base lm_head agreement {:.1f}%", r.cal.sequences,
+                        r.cal.positions.empty() ? 0 : r.cal.positions[0],
+                        r.cal.base_positions ? 100.0 * static_cast<double>(r.cal.base_hits) / static_cast<double>(r.cal.base_positions) : 0.0));
+    st.line("head  target  top-1   top-5   top-10  loss");
+    for (std::size_t k = 0; k < r.cal.num_heads; ++k)
+      st.line(fmt::format("{:>4}  t+{:<4}  {:5.1f}%  {:5.1f}%  {:5.1f}%  {:.3f}", k, k + 2, 100 * r.cal.top(k, 1), 100 * r.cal.top(k, 5),
+                          100 * r.cal.top(k, 10), r.cal.mean_loss[k]));
+    st.line(fmt::format("wrote {}, config.json, calibration.json ({:.1f} s total)", r.heads_file.string(), r.total_seconds));
+    return medusa_tools::exit_ok;
+  });
+}

@@ -1,0 +1,104 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file pipeline.hpp
+//! The whole `medusa-train` run as one function: load the base model, build or reuse the
+//! self-distillation cache, train the heads, evaluate them on the held-out split, save
+//! `medusa_heads.safetensors` + `config.json` + `calibration.json` in the output directory, and
+//! optionally measure real acceptance with `medusa::decoder`.
+//!
+//! @code
+//! medusa_train::run_options o;
+//! o.model = "/work/shared/models/pycode-15m/model.bin";
+//! o.corpus = "/usr/lib/python3.11";
+//! o.out = "heads-out";
+//! auto r = medusa_train::run_training(o, {});
+//! std::printf("head-0 top-1 %.1f%%\n", 100 * r.calibration.top(0, 1));
+//! @endcode
+#pragma once
+
+#include <medusa_train/distill_cache.hpp>
+#include <medusa_train/selfdistill.hpp>
+#include <medusa_train/trainer.hpp>
+
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace medusa_train {
+
+//! Everything `medusa-train` can be told.
+struct run_options {
+  std::filesystem::path model;       //!< llama2.c `model.bin` or a Hugging Face directory
+  std::filesystem::path tokenizer;   //!< empty: `tokenizer.json` / `tokenizer.bin` beside the model
+  //! llama2.c tokenizers: prepend a space (run.c). Unset: medusa_llama::default_dummy_prefix
+  //! (the SentencePiece model beside tokenizer.bin decides; pycode-15m's says no).
+  std::optional<bool> dummy_prefix;
+  std::filesystem::path prompts;     //!< prompt file (one per line), or
+  std::filesystem::path corpus;      //!< corpus directory
+  std::filesystem::path out;         //!< output directory
+  std::filesystem::path cache_dir;   //!< empty: `out/cache`
+  std::size_t heads = 4;             //!< K
+  std::size_t layers = 1;            //!< ResBlocks per head
+  std::uint64_t tokens = 200000;     //!< positions of self-distillation data (train + held-out)
+  double eval_fraction = 0.1;        //!< held-out share
+  int gen_len = 192;                 //!< tokens generated per prompt
+  int prompt_min = 16;               //!< prompt length range (tokens incl. BOS)
+  int prompt_max = 64;               //!< prompt length range
+  int draft = 12;                    //!< prompt-lookup drafting during generation (0 = off)
+  float temperature = 0.0f;          //!< 0 = greedy continuations
+  medusa::weight_dtype cache_dtype = medusa::weight_dtype::bf16;  //!< hidden states on disk
+  double epochs = 2.0;               //!< passes over the training positions
+  std::size_t batch = 256;           //!< positions per step
+  optimizer_options opt;             //!< lr, AdamW, schedule, clipping
+  float decay = 0.8f;                //!< loss weight decay^k (1 = unweighted)
+  std::uint64_t seed = 0;            //!< data, initialisation and shuffling
+  int threads = 0;                   //!< 0 = hardware threads
+  double budget_seconds = 0;         //!< wall-clock budget for the whole run (0 = none)
+  int decode_prompts = 0;            //!< held-out prompts for the acceptance measurement (0 = skip)
+  int decode_tokens = 128;           //!< tokens generated per decode prompt
+};
+
+//! Acceptance of one tree measured with `medusa::decoder` (greedy) against plain decoding.
+struct acceptance_result {
+  std::string tree;                 //!< tree name
+  int nodes = 0;                    //!< nodes incl. root
+  double tokens_per_step = 0;       //!< emitted tokens per forward pass (1 + accepted drafts)
+  double predicted = 0;             //!< 1 + calibration estimate of accepted drafts
+  double medusa_tokens_per_second = 0;  //!< decoding speed with the tree
+  double vanilla_tokens_per_second = 0; //!< plain decoding speed
+  bool identical = true;            //!< Medusa output == plain greedy output for every prompt
+  int prompts = 0;                  //!< prompts decoded
+};
+
+//! What `run_training` did.
+struct run_report {
+  cache_key key;                       //!< what the data depends on
+  std::filesystem::path cache_file;    //!< the cache used
+  bool cache_hit = false;              //!< reused an existing cache
+  distill_stats distill;               //!< generation (zero on a cache hit)
+  std::uint64_t cache_rows = 0;        //!< positions in the cache
+  std::uint64_t cache_bytes = 0;       //!< cache file size
+  fit_result fit;                      //!< training
+  calibration cal;                     //!< held-out evaluation
+  std::vector<acceptance_result> acceptance;  //!< decoder measurements (if asked)
+  std::filesystem::path heads_file;    //!< saved weights
+  double eval_seconds = 0;             //!< evaluation time
+  double total_seconds = 0;            //!< whole run
+};
+
+//! Callbacks of `run_training` (all optional).
+struct run_events {
+  std::function<void(const std::string&)> log;                 //!< one-line messages
+  std::function<void(const distill_progress&)> on_distill;     //!< generation progress
+  std::function<void(const fit_progress&)> on_fit;             //!< training progress
+};
+
+//! Runs everything (see the file comment). Throws `medusa::invalid_input` for bad options or
+//! inputs, `medusa::io_error` / engine errors otherwise.
+run_report run_training(const run_options& o, const run_events& ev);
+
+//! The tokenizer `run_training` uses for `o` (explicit path, or beside the model).
+[[nodiscard]] std::filesystem::path resolve_tokenizer(const run_options& o);
+
+}  // namespace medusa_train

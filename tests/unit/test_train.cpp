@@ -1,0 +1,421 @@
+// SPDX-License-Identifier: Apache-2.0
+// Medusa head training (examples/train): the backward pass against finite differences in double,
+// a synthetic task the heads must learn, the self-distillation cache (format, reuse, misses),
+// determinism of a whole run, and lossless decoding with the trained heads — all on data and
+// models made here (a random Llama model and a byte-level tokenizer).
+#include <medusa_llama/decoder_model.hpp>
+#include <medusa_train/pipeline.hpp>
+#include <medusa_train/trainer.hpp>
+
+#include <medusa/decoder.hpp>
+#include <medusa/io/head_checkpoint.hpp>
+#include <medusa/tree.hpp>
+
+#include <medusa_llama/engine.hpp>
+#include <medusa_llama/model.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+using medusa_train::head_shape;
+
+namespace {
+
+fs::path scratch(const std::string& name) {
+  const fs::path p = fs::path(MEDUSA_TEST_TMPDIR) / ("train_" + name);
+  std::error_code ec;
+  fs::remove_all(p, ec);
+  fs::create_directories(p);
+  return p;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+// ---- gradient check ---------------------------------------------------------------------------
+
+double loss_at(const head_shape& s, const std::vector<double>& p, const std::vector<double>& x, std::size_t B,
+               const std::vector<std::int32_t>& y, const std::vector<double>& w) {
+  medusa_train::head_workspace<double> ws;
+  return medusa_train::head_loss_grad<double>(s, p.data(), nullptr, x.data(), B, y.data(), w.data(), ws).loss;
+}
+
+void gradient_check(std::size_t L) {
+  const head_shape s{6, 7, 2, L};
+  const std::size_t B = 5;
+  std::mt19937 rng(static_cast<unsigned>(11 + L));
+  std::normal_distribution<double> n(0.0, 1.0);
+  std::vector<double> p(s.num_params()), x(B * s.d), w{1.0, 0.8};
+  for (auto& v : p) v = 0.5 * n(rng);
+  for (auto& v : x) v = n(rng);
+  std::vector<std::int32_t> y(B * s.K);
+  for (std::size_t i = 0; i < y.size(); ++i) y[i] = static_cast<std::int32_t>(rng() % s.V);
+  y[3] = medusa_train::ignore_index;  // row 1, head 1 has no target
+  y[8] = medusa_train::ignore_index;  // row 4, head 0
+  std::vector<double> g(s.num_params(), 0.0);
+  medusa_train::head_workspace<double> ws;
+  const auto st = medusa_train::head_loss_grad<double>(s, p.data(), g.data(), x.data(), B, y.data(), w.data(), ws);
+  CHECK(st.counted[0] == 4);
+  CHECK(st.counted[1] == 4);
+  CHECK(std::isfinite(st.loss));
+  double max_err = 0;
+  const double h = 1e-6;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    auto q = p;
+    q[i] = p[i] + h;
+    const double up = loss_at(s, q, x, B, y, w);
+    q[i] = p[i] - h;
+    const double down = loss_at(s, q, x, B, y, w);
+    const double fd = (up - down) / (2 * h);
+    max_err = std::max(max_err, std::fabs(fd - g[i]) / std::max(1.0, std::fabs(fd)));
+  }
+  CHECK(max_err < 1e-6);
+  // Accumulation: a second call adds the same gradient again.
+  auto g2 = g;
+  (void)medusa_train::head_loss_grad<double>(s, p.data(), g2.data(), x.data(), B, y.data(), w.data(), ws);
+  for (std::size_t i = 0; i < g.size(); i += 7) CHECK(g2[i] == doctest::Approx(2 * g[i]).epsilon(1e-12));
+}
+
+// ---- synthetic data ---------------------------------------------------------------------------
+
+// Sequences over V tokens where token t+1 = (5·token t + 3) mod V, so every head's target is a
+// fixed function of the current token; hidden states are a fixed random embedding of the token.
+fs::path synthetic_cache(const fs::path& dir, std::size_t d, std::size_t V, medusa::weight_dtype dt) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> emb(V * d);
+  for (auto& v : emb) v = n(rng);
+  const fs::path file = dir / "synthetic.bin";
+  medusa_train::distill_cache_writer w(file, d, V, dt, 42);
+  for (int seq = 0; seq < 60; ++seq) {
+    std::vector<std::int32_t> tok(24);
+    tok[0] = static_cast<std::int32_t>(rng() % V);
+    for (std::size_t i = 1; i < tok.size(); ++i) tok[i] = static_cast<std::int32_t>((5 * static_cast<std::size_t>(tok[i - 1]) + 3) % V);
+    std::vector<float> hid(tok.size() * d);
+    for (std::size_t i = 0; i < tok.size(); ++i)
+      for (std::size_t e = 0; e < d; ++e) hid[i * d + e] = emb[static_cast<std::size_t>(tok[i]) * d + e];
+    w.add(tok, hid, seq % 6 == 5 ? medusa_train::split::eval : medusa_train::split::train, 3);
+  }
+  CHECK(w.records() == 60);
+  CHECK(w.rows() == 60 * 24);
+  return w.finish();
+}
+
+// ---- a tiny random Llama model and a byte-level llama2.c tokenizer ---------------------------
+
+struct tiny_assets {
+  fs::path model, tokenizer, corpus;
+};
+
+tiny_assets make_assets(const fs::path& dir) {
+  tiny_assets a;
+  medusa_llama::model_config c;
+  c.dim = 32;
+  c.hidden_dim = 64;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.vocab_size = 259;
+  c.seq_len = 160;
+  a.model = dir / "model.bin";
+  medusa_llama::model::random(c, 5, 0.5f).save_llama2c(a.model);
+  // <unk>, <s>, </s>, then the 256 byte pieces <0xXX> (ids 3..258).
+  a.tokenizer = dir / "tokenizer.bin";
+  std::ofstream t(a.tokenizer, std::ios::binary);
+  auto put_i32 = [&](std::int32_t v) { t.write(reinterpret_cast<const char*>(&v), 4); };
+  auto put_piece = [&](const std::string& s) {
+    const float score = 0.0f;
+    t.write(reinterpret_cast<const char*>(&score), 4);
+    put_i32(static_cast<std::int32_t>(s.size()));
+    t.write(s.data(), static_cast<std::streamsize>(s.size()));
+  };
+  put_i32(8);
+  put_piece("<unk>");
+  put_piece("\n<s>\n");
+  put_piece("\n</s>\n");
+  for (int b = 0; b < 256; ++b) {
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "<0x%02X>", b);
+    put_piece(buf);
+  }
+  t.close();
+  a.corpus = dir / "corpus";
+  fs::create_directories(a.corpus / "sub");
+  std::ofstream(a.corpus / "a.py") << "def add(a, b):\n    return a + b\n\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n";
+  std::ofstream(a.corpus / "b.txt") << "The quick brown fox jumps over the lazy dog.\nPack my box with five dozen liquor jugs.\n";
+  std::ofstream(a.corpus / "sub" / "c.py") << "import os\nimport sys\n\nfor i in range(10):\n    print(i, os.getcwd())\n";
+  std::ofstream(a.corpus / "sub" / "d.md") << "# Title\n\nSome *markdown* text with a [link](http://example.com).\n";
+  std::ofstream(a.corpus / "blob.bin") << std::string("\0\1\2binary", 9);  // skipped (extension, NUL)
+  return a;
+}
+
+medusa_train::run_options tiny_options(const tiny_assets& a, const fs::path& out) {
+  medusa_train::run_options o;
+  o.model = a.model;
+  o.tokenizer = a.tokenizer;
+  o.corpus = a.corpus;
+  o.out = out;
+  o.heads = 3;
+  o.layers = 1;
+  o.tokens = 600;
+  o.gen_len = 40;
+  o.prompt_min = 4;
+  o.prompt_max = 12;
+  o.eval_fraction = 0.25;
+  o.epochs = 1;
+  o.batch = 64;
+  o.threads = 2;
+  o.seed = 7;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("head backward pass matches finite differences (double), L = 0, 1, 2") {
+  for (std::size_t L : {0u, 1u, 2u}) {
+    CAPTURE(L);
+    gradient_check(L);
+  }
+}
+
+TEST_CASE("head_logits equals the forward inside head_loss_grad and medusa::head_stack") {
+  const head_shape s{8, 11, 3, 2};
+  std::mt19937 rng(4);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> lm(s.V * s.d);
+  for (auto& v : lm) v = n(rng);
+  medusa_train::head_trainer t(s, lm.data(), 9, 1);
+  for (auto& v : t.params()) v = 0.3f * n(rng);
+  std::vector<float> x(4 * s.d), ours(4 * s.K * s.V), lib(ours.size());
+  for (auto& v : x) v = n(rng);
+  t.logits(x.data(), 4, ours.data());
+  medusa::portable_gemm<> g;
+  t.weights().view().forward(g, x, 4, lib);
+  for (std::size_t i = 0; i < ours.size(); ++i) CHECK(ours[i] == doctest::Approx(lib[i]).epsilon(1e-4));
+}
+
+TEST_CASE("initialisation follows spec §8: W = 0, |b| <= 1/sqrt(d), U = lm_head") {
+  const head_shape s{16, 10, 2, 1};
+  std::vector<float> lm(s.V * s.d);
+  for (std::size_t i = 0; i < lm.size(); ++i) lm[i] = static_cast<float>(i % 13) - 6.0f;
+  medusa_train::head_trainer t(s, lm.data(), 1, 1);
+  const auto p = t.params();
+  for (std::size_t i = 0; i < s.w_size(); ++i) CHECK(p[i] == 0.0f);
+  bool nonzero = false;
+  for (std::size_t i = s.w_size(); i < s.w_size() + s.b_size(); ++i) {
+    CHECK(std::fabs(p[i]) <= 0.25f);
+    nonzero = nonzero || p[i] != 0.0f;
+  }
+  CHECK(nonzero);
+  for (std::size_t k = 0; k < s.K; ++k) CHECK(std::memcmp(p.data() + s.u_offset(k), lm.data(), 4 * lm.size()) == 0);
+}
+
+TEST_CASE("learning-rate schedule: linear warm-up then cosine to the floor") {
+  medusa_train::optimizer_options o;
+  o.lr = 1e-3;
+  o.warmup_fraction = 0.1;
+  CHECK(medusa_train::learning_rate(o, 0, 100) == doctest::Approx(1e-4));
+  CHECK(medusa_train::learning_rate(o, 9, 100) == doctest::Approx(1e-3));
+  CHECK(medusa_train::learning_rate(o, 10, 100) == doctest::Approx(1e-3));
+  CHECK(medusa_train::learning_rate(o, 55, 100) == doctest::Approx(5e-4).epsilon(0.02));
+  CHECK(medusa_train::learning_rate(o, 100, 100) == doctest::Approx(0.0));
+  o.min_lr_fraction = 0.1;
+  CHECK(medusa_train::learning_rate(o, 100, 100) == doctest::Approx(1e-4));
+}
+
+TEST_CASE("synthetic task: heads learn a deterministic next-token rule to >= 95%") {
+  const auto dir = scratch("synthetic");
+  const std::size_t d = 32, V = 32;
+  for (auto dt : {medusa::weight_dtype::f32, medusa::weight_dtype::bf16}) {
+    CAPTURE(medusa::to_string(dt));
+    const auto file = synthetic_cache(dir, d, V, dt);
+    const auto data = medusa_train::distill_cache::open(file);
+    CHECK(data.size() == 60);
+    CHECK(data.key_hash() == 42);
+    CHECK(data.dtype() == dt);
+    std::mt19937 rng(8);
+    std::normal_distribution<float> n(0.0f, 0.2f);
+    std::vector<float> lm(V * d);
+    for (auto& v : lm) v = n(rng);
+    medusa_train::head_trainer t({d, V, 3, 1}, lm.data(), 1, 2);
+    const auto before = medusa_train::evaluate(t, data, medusa_train::split::eval);
+    medusa_train::fit_options fo;
+    fo.batch = 64;
+    fo.epochs = 30;
+    fo.opt.lr = 1e-2;
+    const auto r = medusa_train::fit(t, data, fo);
+    CHECK(r.train_positions == 50 * 22);
+    const auto cal = medusa_train::evaluate(t, data, medusa_train::split::eval, 10, lm.data());
+    CHECK(cal.sequences == 10);
+    REQUIRE(cal.positions.size() == 3);
+    CHECK(cal.positions[0] == 10 * 22);
+    CHECK(cal.positions[2] == 10 * 20);  // head 2 needs t+4
+    for (std::size_t k = 0; k < 3; ++k) {
+      CAPTURE(k);
+      CHECK(before.top(k, 1) < 0.5);
+      CHECK(cal.top(k, 1) >= 0.95);
+      double sum = 0;
+      for (std::size_t rk = 0; rk < 10; ++rk) sum += cal.acc(k, rk);
+      CHECK(sum <= 1.0 + 1e-12);
+    }
+    const std::string js = medusa_train::calibration_json(cal);
+    CHECK(js.find("\"accuracy\"") != std::string::npos);
+    CHECK(js.find("\"num_heads\": 3") != std::string::npos);
+    // The grown tree starts with the best path and stays prefix-closed (it compiles).
+    const auto paths = medusa_train::grow_tree(cal, 10, 3, 10);
+    CHECK(paths.size() == 10);
+    CHECK(paths[0] == std::vector<int>{0});
+    CHECK_NOTHROW((void)medusa::tree::from_paths(paths));
+  }
+}
+
+TEST_CASE("distill cache: corrupt, truncated and incomplete files are rejected") {
+  const auto dir = scratch("cache_errors");
+  const auto file = synthetic_cache(dir, 8, 16, medusa::weight_dtype::bf16);
+  const std::string good = slurp(file);
+  auto write = [&](const std::string& bytes) {
+    std::ofstream(dir / "bad.bin", std::ios::binary) << bytes;
+    return dir / "bad.bin";
+  };
+  CHECK_THROWS_AS((void)medusa_train::distill_cache::open(write(good.substr(0, good.size() - 3))), medusa::io_error);
+  CHECK_THROWS_AS((void)medusa_train::distill_cache::open(write(good.substr(0, 40))), medusa::io_error);
+  std::string bad = good;
+  bad[0] = 'X';
+  CHECK_THROWS_AS((void)medusa_train::distill_cache::open(write(bad)), medusa::io_error);
+  bad = good;
+  bad[48] = 0;  // complete flag
+  CHECK_THROWS_AS((void)medusa_train::distill_cache::open(write(bad)), medusa::io_error);
+  CHECK_FALSE(medusa_train::distill_cache::peek_key(dir / "bad.bin").has_value());
+  bad = good;
+  bad[64 + 16] = static_cast<char>(0xff);  // first token of the first record becomes negative/huge
+  bad[64 + 19] = static_cast<char>(0x7f);
+  CHECK_THROWS_AS((void)medusa_train::distill_cache::open(write(bad)), medusa::io_error);
+  CHECK_THROWS_AS((void)medusa_train::distill_cache::open(dir / "missing.bin"), medusa::io_error);
+  // An unfinished writer leaves nothing behind.
+  {
+    medusa_train::distill_cache_writer w(dir / "unfinished.bin", 8, 16, medusa::weight_dtype::f32, 1);
+    const std::int32_t tok[2] = {1, 2};
+    std::vector<float> h(16);
+    w.add(tok, h, medusa_train::split::train, 1);
+    CHECK_THROWS_AS(w.add(tok, std::span<const float>(h).first(3), medusa_train::split::train, 1), medusa::invalid_input);
+  }
+  CHECK_FALSE(fs::exists(dir / "unfinished.bin"));
+  CHECK_FALSE(fs::exists(dir / "unfinished.bin.tmp"));
+}
+
+TEST_CASE("lookup drafting proposes what followed the last n-gram") {
+  const std::vector<int> ctx{1, 5, 6, 7, 8, 2, 5, 6};
+  CHECK(medusa_train::lookup_draft(ctx, 2, 3) == std::vector<int>{7, 8, 2});
+  CHECK(medusa_train::lookup_draft(ctx, 2, 1) == std::vector<int>{7});
+  CHECK(medusa_train::lookup_draft(std::vector<int>{1, 2, 3}, 3, 4).empty());
+  CHECK(medusa_train::lookup_draft(ctx, 2, 0).empty());
+}
+
+TEST_CASE("whole run on a tiny model: cache reuse and misses, determinism, lossless decoding") {
+  const auto dir = scratch("run");
+  const auto a = make_assets(dir);
+  const auto o = tiny_options(a, dir / "out1");
+  const auto r1 = medusa_train::run_training(o, {});
+  CHECK_FALSE(r1.cache_hit);
+  CHECK(r1.distill.rows == 600);
+  CHECK(r1.distill.eval_rows > 0);
+  CHECK(r1.distill.train_rows > r1.distill.eval_rows);
+  CHECK(r1.cal.base_positions > 0);
+  CHECK(static_cast<double>(r1.cal.base_hits) >= 0.97 * static_cast<double>(r1.cal.base_positions));  // greedy data
+  CHECK(fs::exists(dir / "out1" / "medusa_heads.safetensors"));
+  CHECK(fs::exists(dir / "out1" / "config.json"));
+  const std::string cal = slurp(dir / "out1" / "calibration.json");
+  CHECK(cal.find("\"medusa-calibration\"") != std::string::npos);
+  CHECK(fs::exists(r1.cache_file));
+
+  // Same inputs, same cache directory: a hit, and bit-identical weights (same seed and threads).
+  auto o2 = o;
+  o2.out = dir / "out2";
+  o2.cache_dir = dir / "out1" / "cache";
+  const auto r2 = medusa_train::run_training(o2, {});
+  CHECK(r2.cache_hit);
+  CHECK(r2.cache_file == r1.cache_file);
+  CHECK(r2.distill.rows == 0);
+  CHECK(slurp(dir / "out1" / "medusa_heads.safetensors") == slurp(dir / "out2" / "medusa_heads.safetensors"));
+
+  // Regenerated data with the same seed is the same data: identical weights without the cache.
+  auto o3 = o;
+  o3.out = dir / "out3";
+  const auto r3 = medusa_train::run_training(o3, {});
+  CHECK_FALSE(r3.cache_hit);
+  CHECK(r3.key.hash == r1.key.hash);
+  CHECK(slurp(r3.cache_file) == slurp(r1.cache_file));
+  CHECK(slurp(dir / "out1" / "medusa_heads.safetensors") == slurp(dir / "out3" / "medusa_heads.safetensors"));
+
+  // Changed inputs miss: another seed, another budget, an edited corpus file.
+  auto o4 = o2;
+  o4.seed = 8;
+  CHECK(medusa_train::run_training(o4, {}).cache_hit == false);
+  auto o5 = o2;
+  o5.tokens = 500;
+  CHECK(medusa_train::run_training(o5, {}).cache_hit == false);
+  std::ofstream(a.corpus / "b.txt", std::ios::app) << "One more line.\n";
+  const auto r6 = medusa_train::run_training(o2, {});
+  CHECK_FALSE(r6.cache_hit);
+  CHECK(r6.key.hash != r1.key.hash);
+
+  // The saved directory loads with the checkpoint loader and decodes losslessly.
+  medusa::head_load_options lo;
+  lo.hidden_size = 32;
+  lo.vocab_size = 259;
+  auto loaded = medusa::load_heads(dir / "out1", lo);
+  CHECK(loaded.heads.num_heads() == 3);
+  CHECK(loaded.heads.num_layers() == 1);
+  CHECK(loaded.warnings.empty());
+  auto stack = loaded.heads.view();
+  medusa::portable_gemm<> gemm;
+  medusa::head_stack_runner<medusa::head_stack<>, medusa::portable_gemm<>> runner{&stack, &gemm};
+  medusa_llama::engine e(medusa_llama::model::load_llama2c(a.model), {.threads = 1});
+  medusa_llama::decoder_model m(e);
+  medusa::decode_options dopt;
+  dopt.max_new_tokens = 60;
+  const std::vector<std::int32_t> prompt{1, 103, 104, 105};
+  const auto plain = medusa::generate_vanilla(m, prompt, medusa::greedy_policy{}, dopt);
+  for (const auto& tr : {medusa::tree::from_paths({{0}, {0, 0}, {0, 0, 0}}), medusa::tree::from_paths({{0}, {1}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}})}) {
+    medusa::decoder dec(m, runner, tr, medusa::greedy_policy{});
+    const auto out = dec.generate(prompt, dopt);
+    CHECK(out.tokens == plain.tokens);
+    CHECK(out.stats.steps <= plain.stats.steps);
+  }
+}
+
+TEST_CASE("bad options are typed errors") {
+  const auto dir = scratch("bad");
+  const auto a = make_assets(dir);
+  auto o = tiny_options(a, dir / "out");
+  o.heads = 0;
+  CHECK_THROWS_AS((void)medusa_train::run_training(o, {}), medusa::invalid_input);
+  o = tiny_options(a, dir / "out");
+  o.prompts = dir / "prompts.txt";  // both --prompts and --corpus
+  CHECK_THROWS_AS((void)medusa_train::run_training(o, {}), medusa::invalid_input);
+  o = tiny_options(a, dir / "out");
+  o.corpus = dir / "nothing-here";
+  CHECK_THROWS_AS((void)medusa_train::run_training(o, {}), medusa::invalid_input);
+  o = tiny_options(a, dir / "out");
+  o.corpus.clear();
+  o.prompts = dir / "prompts.txt";
+  std::ofstream(o.prompts) << "\n   \n";
+  CHECK_THROWS_AS((void)medusa_train::run_training(o, {}), medusa::invalid_input);
+  const head_shape s{4, 5, 1, 0};
+  std::vector<float> lm(20, 0.0f), x(4, 1.0f), w{1.0f};
+  medusa_train::head_trainer t(s, lm.data(), 0, 1);
+  const std::int32_t y = 5;  // outside [0, V)
+  CHECK_THROWS_AS((void)t.loss(x.data(), 1, &y, w), medusa::invalid_input);
+}
