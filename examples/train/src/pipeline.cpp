@@ -293,6 +293,22 @@ run_report run_training(const run_options& o, const run_events& ev) {
     meta += "\n  ]";
   }
   write_text(o.out / "calibration.json", calibration_json(rep.cal, meta));
+  // Trees grown from the calibration table (spec §8), ready for `medusa-run --tree OUT/tree-N.json`.
+  const std::size_t grow_depth = std::min<std::size_t>(o.heads, 5);
+  for (std::size_t nodes : {4u, 8u, 16u, 32u, 64u}) {
+    std::string text = "[";
+    const auto paths = grow_tree(rep.cal, nodes - 1, grow_depth, 10);
+    for (std::size_t i = 0; i < paths.size(); ++i) {
+      text += i ? "," : "";
+      text += "[";
+      for (std::size_t j = 0; j < paths[i].size(); ++j) {
+        if (j) text += ',';
+        text += std::to_string(paths[i][j]);
+      }
+      text += "]";
+    }
+    write_text(o.out / ("tree-" + std::to_string(nodes) + ".json"), text + "]\n");
+  }
   return rep;
 }
 

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""End-to-end speedup of Medusa over plain decoding with medusa-run (greedy, identical tokens).
+
+For each weight format and tree, runs `medusa-run --mode both --json` on each prompt REPEAT times
+and reports medians: plain and Medusa tokens/s, the ratio measured within each run, tokens per
+step, and whether the tokens were identical in every run.
+
+  bench/speedup.py --bin build/release/examples --model ../shared/models/pycode-15m/model.bin \
+      --heads build/heads/pycode-15m --trees mc_sim_7b_63,build/heads/pycode-15m/tree-8.json
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+DEFAULT_PROMPTS = [
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def parse_args(argv):\n    \"\"\"Parse the command line.\"\"\"\n",
+    "import re\n\n_pattern = re.compile(",
+    "    def __repr__(self):\n        return",
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", required=True, help="folder with medusa-run")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--heads", required=True)
+    ap.add_argument("--trees", required=True, help="comma-separated presets, tree texts or files")
+    ap.add_argument("--weights", default="f32,bf16")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    a = ap.parse_args()
+
+    print(f"{'weights':7} {'tree':28} {'nodes':>5} {'plain tok/s':>11} {'medusa tok/s':>12} "
+          f"{'speedup':>7} {'tok/step':>8} identical")
+    for weights in a.weights.split(","):
+        for tree in a.trees.split(","):
+            ratios, plain, medusa, per_step, same = [], [], [], [], True
+            nodes = "?"
+            for _ in range(a.repeat):
+                for prompt in DEFAULT_PROMPTS:
+                    out = subprocess.run(
+                        [f"{a.bin}/medusa-run", "--model", a.model, "--heads", a.heads, "--tree", tree,
+                         "--weights", weights, "--threads", str(a.threads), "--prompt", prompt,
+                         "--max-new-tokens", str(a.tokens), "--mode", "both", "--json"],
+                        capture_output=True, text=True)
+                    if out.returncode != 0:
+                        print(out.stderr, file=sys.stderr)
+                        return 1
+                    v, m = (json.loads(line) for line in out.stdout.splitlines()[:2])
+                    same &= v["tokens"] == m["tokens"]
+                    plain.append(v["tokens_per_second"])
+                    medusa.append(m["tokens_per_second"])
+                    ratios.append(m["tokens_per_second"] / v["tokens_per_second"])
+                    per_step.append(m["mean_accepted"])
+                    nodes = str(len(m["accepted_histogram"]) and "")
+            try:
+                import pathlib
+                text = pathlib.Path(tree).read_text() if pathlib.Path(tree).is_file() else None
+                nodes = str(len(json.loads(text)) + 1) if text else ("64" if not tree.startswith("[") else str(len(json.loads(tree)) + 1))
+            except (OSError, ValueError):
+                nodes = "?"
+            name = tree if len(tree) <= 28 else "…" + tree[-27:]
+            print(f"{weights:7} {name:28} {nodes:>5} {statistics.median(plain):11.1f} {statistics.median(medusa):12.1f} "
+                  f"{statistics.median(ratios):6.2f}x {statistics.median(per_step):8.2f} {'yes' if same else 'NO'}",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
