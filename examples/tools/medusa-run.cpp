@@ -217,7 +217,10 @@ int run(const run_args& a) {
         r.result = dec.generate(prompt, dopt, on_token);
       }
       r.text = sink.text();
-      if (stream) std::printf("\n");
+      if (stream) {
+        std::printf("\n");
+        std::fflush(stdout);  // the summary goes to stderr after this
+      }
       if (a.json) std::printf("%s\n", to_json(r).dump().c_str());
       reports.push_back(std::move(r));
     };
