@@ -16,12 +16,7 @@
 #include <thread>
 #include <vector>
 
-#if __has_include(<medusa/tree.hpp>)
 #include <medusa/tree.hpp>
-#define MEDUSA_TEST_HAVE_TREE 1
-#else
-#define MEDUSA_TEST_HAVE_TREE 0
-#endif
 
 namespace {
 
@@ -337,7 +332,6 @@ TEST_CASE("the tree overload reads the mask through the tree interface") {
 }
 
 TEST_CASE("all preset trees (medusa::tree) give path-consistent attention") {
-#if MEDUSA_TEST_HAVE_TREE
   std::mt19937 rng(99);
   for (std::string_view name : medusa::preset_names()) {
     CAPTURE(name);
@@ -358,7 +352,4 @@ TEST_CASE("all preset trees (medusa::tree) give path-consistent attention") {
     };
     check_close(out, reference(kv, 0, L, q, n, hq, vis, 1.0f / std::sqrt(static_cast<float>(D))));
   }
-#else
-  MESSAGE("include/medusa/tree.hpp not present yet: preset attention test skipped");
-#endif
 }
