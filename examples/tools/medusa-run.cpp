@@ -5,13 +5,14 @@
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree PRESET|TEXT|FILE] [--policy greedy|typical|rejection] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
-//              [--mode vanilla|medusa|both] [--weights f32|bf16] [--threads N] [--json]
+//              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights f32|bf16]
+//              [--threads N] [--json]
 #include <medusa/medusa.hpp>
 
 #include <medusa_llama/decoder_model.hpp>
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/load.hpp>
-#include <medusa_llama/thread_pool.hpp>
+#include <medusa_llama/packed_heads.hpp>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -43,18 +44,9 @@ struct run_args {
   int max_new_tokens = 256;
   int threads = 0;
   std::string weights = "f32";
+  std::string head_weights = "bf16";
   bool json = false;
 };
-
-// Head-stack forward on a thread pool: the GEMM policy's parallel-for.
-struct pool_for {
-  medusa_llama::thread_pool* pool;
-  template <class F>
-  void operator()(std::size_t n, F&& body) const {
-    pool->run(static_cast<int>(n), [&](int chunk, int) { body(static_cast<std::size_t>(chunk)); });
-  }
-};
-using head_gemm = medusa::portable_gemm<pool_for>;
 
 // `random:K[:SEED]`: see medusa_llama::random_heads.
 medusa::head_weights parse_random_heads(const std::string& spec, const medusa_llama::model& m) {
@@ -137,6 +129,8 @@ int run(const run_args& a) {
     throw usage_error("--policy must be greedy, typical or rejection, got " + a.policy);
   if (a.max_new_tokens < 0) throw usage_error("--max-new-tokens must be >= 0");
   if (a.weights != "f32" && a.weights != "bf16") throw usage_error("--weights must be f32 or bf16, got " + a.weights);
+  if (a.head_weights != "f32" && a.head_weights != "bf16")
+    throw usage_error("--head-weights must be f32 or bf16, got " + a.head_weights);
   if (!a.prompt.empty() && !a.prompt_file.empty()) throw usage_error("give --prompt or --prompt-file, not both");
   const bool want_medusa = a.mode != "vanilla";
 
@@ -169,8 +163,6 @@ int run(const run_args& a) {
       for (const auto& w : loaded.warnings) std::fprintf(stderr, "medusa-run: warning: %s\n", w.message.c_str());
       head_w = std::move(loaded.heads);
     }
-    // Heads follow the engine's weight format: bf16 halves the bytes a step streams.
-    if (a.weights == "bf16") head_w = head_w.to_dtype(medusa::weight_dtype::bf16);
     if (static_cast<int>(head_w.num_heads()) < tree->depth())
       throw medusa::decode_error("the tree is " + std::to_string(tree->depth()) + " deep but only " +
                                  std::to_string(head_w.num_heads()) + " heads are loaded");
@@ -183,8 +175,17 @@ int run(const run_args& a) {
   eo.weights = a.weights == "bf16" ? medusa_llama::weight_format::bf16 : medusa_llama::weight_format::f32;
   medusa_llama::engine engine(std::move(lm.weights), eo);
   medusa_llama::decoder_model model(engine);
-  medusa_llama::thread_pool head_pool(engine.threads());
-  head_gemm gemm{pool_for{&head_pool}};
+  // The heads run on the engine's kernels and threads. Their precision only changes which drafts
+  // are proposed (the model verifies every one), so bf16 is the default.
+  std::optional<medusa_llama::packed_heads> heads;
+  if (want_medusa) {
+    const auto stack = head_w.kind() == medusa::projection_kind::per_head
+                           ? head_w.view()
+                           : head_w.view(medusa::weight_ptr::of(engine.weights().classifier()),
+                                         static_cast<std::size_t>(cfg.vocab_size));
+    heads.emplace(engine, stack,
+                  a.head_weights == "f32" ? medusa_llama::weight_format::f32 : medusa_llama::weight_format::bf16);
+  }
 
   medusa::decode_options dopt;
   dopt.max_new_tokens = a.max_new_tokens;
@@ -208,12 +209,7 @@ int run(const run_args& a) {
       if (mode == "vanilla") {
         r.result = medusa::generate_vanilla(model, prompt, policy, dopt, on_token);
       } else {
-        auto stack = head_w.kind() == medusa::projection_kind::per_head
-                         ? head_w.view()
-                         : head_w.view(medusa::weight_ptr::of(engine.weights().classifier()),
-                                       static_cast<std::size_t>(cfg.vocab_size));
-        medusa::head_stack_runner<medusa::head_stack<>, head_gemm> heads(&stack, &gemm);
-        medusa::decoder dec(model, heads, *tree, policy);
+        medusa::decoder dec(model, *heads, *tree, policy);
         r.result = dec.generate(prompt, dopt, on_token);
       }
       r.text = sink.text();
@@ -281,6 +277,9 @@ int main(int argc, char** argv) {
   app.add_option("--mode", a.mode, "vanilla | medusa | both")->capture_default_str();
   app.add_option("--threads", a.threads, "threads (0 = all cores)")->capture_default_str();
   app.add_option("--weights", a.weights, "engine weight format: f32 | bf16 (half the bytes, f32 arithmetic)")
+      ->capture_default_str();
+  app.add_option("--head-weights", a.head_weights,
+                 "Medusa head weight format: bf16 | f32 (drafts only: the output does not depend on it)")
       ->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON line per run instead of streaming text");
   return medusa_tools::run_tool(app, argc, argv, [&] { return run(a); });

@@ -410,6 +410,7 @@ const engine_options& engine::options() const noexcept { return p_->opt; }
 int engine::length() const noexcept { return p_->length; }
 int engine::capacity() const noexcept { return p_->opt.capacity; }
 int engine::threads() const noexcept { return p_->pool.size(); }
+thread_pool& engine::pool() noexcept { return p_->pool; }
 
 void engine::truncate(int n) {
   if (n < 0 || n > p_->length)

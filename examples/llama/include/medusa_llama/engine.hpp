@@ -30,6 +30,8 @@
 
 namespace medusa_llama {
 
+class thread_pool;
+
 //! How the projections of a batch are computed.
 enum class gemm_backend {
   automatic,  //!< built-in small-M kernel below `engine_options::blas_min_batch` tokens, OpenBLAS above
@@ -160,6 +162,9 @@ class engine {
   [[nodiscard]] kv_layer_view kv_layer(int l);
   //! Threads in use (including the caller).
   [[nodiscard]] int threads() const noexcept;
+  //! The engine's worker threads, for work between forwards (e.g. the Medusa heads): sharing them
+  //! keeps a second pool from spinning on the cores the next forward needs.
+  [[nodiscard]] thread_pool& pool() noexcept;
 
  private:
   struct impl;

@@ -1,0 +1,158 @@
+// SPDX-License-Identifier: Apache-2.0
+// Medusa heads on the engine's packed kernels (see packed_heads.hpp). Per step: layer 0 of all
+// heads as one [K·d, d] matrix (they share the input h), later layers one matrix per head, then
+// the K vocabulary projections (or the shared lm_head over K rows); all column groups of a stage
+// are split across the engine's threads in one fork-join.
+#include <medusa_llama/packed_heads.hpp>
+#include <medusa_llama/thread_pool.hpp>
+
+#include "gemm.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace medusa_llama {
+
+namespace {
+std::size_t sz(int v) { return static_cast<std::size_t>(v); }
+
+// One GEMM of a stage: Y[t][c] = Σ_k X[t][k] · W[c][k] for T rows.
+struct head_job {
+  const detail::packed_matrix* W;
+  const float* X;
+  std::size_t ldx;
+  int T;
+  float* Y;
+  std::size_t ldy;
+};
+
+// The weights of `w` (`n` elements, any dtype) as float32.
+std::vector<float> to_float(medusa::weight_ptr w, std::size_t n) {
+  std::vector<float> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = w.load(i);
+  return out;
+}
+}  // namespace
+
+struct packed_heads::impl {
+  thread_pool* pool = nullptr;
+  int K = 0, L = 0, d = 0, V = 0;
+  bool shared = false;
+  detail::packed_matrix first;               // [K·d, d]: layer 0 of every head
+  std::vector<detail::packed_matrix> later;  // [k·(L-1) + l-1]: layer l ≥ 1 of head k
+  std::vector<float> bias;                   // [k·L + l][d]
+  std::vector<detail::packed_matrix> proj;   // K per-head projections, or one shared lm_head
+  std::vector<float> x, t;                   // [K][d]: residual stream and linear outputs
+  std::vector<head_job> jobs;                // one stage's GEMMs (kept: no allocation per step)
+
+  void run(std::span<const head_job> jobs) {
+    int total = 0;
+    for (const auto& j : jobs) total += j.W->groups();
+    const int n = std::max(1, std::min(total, pool->size() == 1 ? 1 : 4 * pool->size()));
+    pool->run(n, [&](int chunk, int) {
+      const int a = total * chunk / n, b = total * (chunk + 1) / n;
+      int base = 0;
+      for (const auto& j : jobs) {
+        const int g0 = std::max(a - base, 0), g1 = std::min(b - base, j.W->groups());
+        if (g0 < g1) detail::gemm_packed(*j.W, detail::gemm_input{j.X, j.ldx, j.T}, j.Y, j.ldy, g0, g1, detail::epilogue::store);
+        base += j.W->groups();
+      }
+    });
+  }
+
+  // x_k = x_k + SiLU(t_k + b_{k,l}) for every head (x_k = h at layer 0).
+  void residual(const float* h, int l) {
+    for (int k = 0; k < K; ++k) {
+      const float* in = l == 0 ? h : x.data() + sz(k) * sz(d);
+      const float* tk = t.data() + sz(k) * sz(d);
+      const float* b = bias.data() + (sz(k) * sz(L) + sz(l)) * sz(d);
+      float* out = x.data() + sz(k) * sz(d);
+      for (int i = 0; i < d; ++i) {
+        const float z = tk[i] + b[i];
+        out[i] = in[i] + z / (1.0f + std::exp(-z));
+      }
+    }
+  }
+};
+
+packed_heads::packed_heads(engine& eng, const medusa::head_stack<>& stack, weight_format format) : p_(std::make_unique<impl>()) {
+  auto bad = [](const std::string& msg) { throw engine_error(engine_errc::bad_option, "packed_heads: " + msg); };
+  stack.validate();
+  impl& s = *p_;
+  s.pool = &eng.pool();
+  s.K = static_cast<int>(stack.num_heads());
+  s.L = static_cast<int>(stack.num_layers());
+  s.d = static_cast<int>(stack.hidden_size());
+  s.V = static_cast<int>(stack.vocab_size());
+  s.shared = stack.kind() == medusa::projection_kind::shared_lm_head;
+  if (s.d != eng.config().dim)
+    bad("heads of hidden size " + std::to_string(s.d) + " for a model of dim " + std::to_string(eng.config().dim));
+  if (s.V != eng.config().vocab_size)
+    bad("heads of vocabulary " + std::to_string(s.V) + " for a model of vocabulary " + std::to_string(eng.config().vocab_size));
+  if (s.K < 1) bad("a stack without heads");
+  const std::size_t d = sz(s.d), V = sz(s.V);
+  if (s.L > 0) {
+    std::vector<float> w0(sz(s.K) * d * d);
+    for (int k = 0; k < s.K; ++k) {
+      const auto blk = stack.resblock(sz(k), 0);
+      const auto w = to_float(blk.weight, d * d);
+      std::copy(w.begin(), w.end(), w0.begin() + static_cast<std::ptrdiff_t>(sz(k) * d * d));
+    }
+    s.first = detail::packed_matrix(w0.data(), s.K * s.d, s.d, format);
+    s.bias.resize(sz(s.K) * sz(s.L) * d);
+    for (int k = 0; k < s.K; ++k)
+      for (int l = 0; l < s.L; ++l) {
+        const auto blk = stack.resblock(sz(k), sz(l));
+        const auto b = to_float(blk.bias, d);
+        std::copy(b.begin(), b.end(), s.bias.begin() + static_cast<std::ptrdiff_t>((sz(k) * sz(s.L) + sz(l)) * d));
+        if (l > 0) s.later.emplace_back(to_float(blk.weight, d * d).data(), s.d, s.d, format);
+      }
+  }
+  for (int k = 0; k < (s.shared ? 1 : s.K); ++k) s.proj.emplace_back(to_float(stack.projection(sz(k)), V * d).data(), s.V, s.d, format);
+  s.x.assign(sz(s.K) * d, 0.0f);
+  s.t.assign(sz(s.K) * d, 0.0f);
+  s.jobs.reserve(sz(s.K));
+}
+
+packed_heads::packed_heads(packed_heads&&) noexcept = default;
+packed_heads& packed_heads::operator=(packed_heads&&) noexcept = default;
+packed_heads::~packed_heads() = default;
+
+int packed_heads::num_heads() const noexcept { return p_->K; }
+int packed_heads::vocab_size() const noexcept { return p_->V; }
+
+void packed_heads::forward(std::span<const float> hidden, std::span<float> logits) {
+  impl& s = *p_;
+  const std::size_t d = sz(s.d), V = sz(s.V), K = sz(s.K);
+  if (hidden.size() != d || logits.size() != K * V)
+    throw engine_error(engine_errc::bad_output, "packed_heads: hidden has " + std::to_string(hidden.size()) + " floats (needs " +
+                                                     std::to_string(d) + "), logits " + std::to_string(logits.size()) +
+                                                     " (needs " + std::to_string(K * V) + ")");
+  const float* h = hidden.data();
+  auto& jobs = s.jobs;
+  if (s.L > 0) {
+    const head_job j0{&s.first, h, d, 1, s.t.data(), K * d};  // one row of K·d outputs
+    s.run(std::span(&j0, 1));
+    s.residual(h, 0);
+    for (int l = 1; l < s.L; ++l) {
+      jobs.clear();
+      for (std::size_t k = 0; k < K; ++k)
+        jobs.push_back({&s.later[k * sz(s.L - 1) + sz(l - 1)], s.x.data() + k * d, d, 1, s.t.data() + k * d, d});
+      s.run(jobs);
+      s.residual(h, l);
+    }
+  } else {
+    for (std::size_t k = 0; k < K; ++k) std::copy(h, h + d, s.x.begin() + static_cast<std::ptrdiff_t>(k * d));
+  }
+  jobs.clear();
+  if (s.shared) {
+    jobs.push_back({&s.proj[0], s.x.data(), d, s.K, logits.data(), V});  // K rows through lm_head
+  } else {
+    for (std::size_t k = 0; k < K; ++k) jobs.push_back({&s.proj[k], s.x.data() + k * d, d, 1, logits.data() + k * V, V});
+  }
+  s.run(jobs);
+}
+
+}  // namespace medusa_llama
