@@ -200,6 +200,10 @@ struct attn_task {
     }
   }
 
+  // A float cache with pointer handles is read in place (no row copies).
+  static constexpr bool float_rows = std::is_same_v<typename View::data_handle_type, float*> ||
+                                     std::is_same_v<typename View::data_handle_type, const float*>;
+
   void run(int g, int r0, int r1) const {
     constexpr int B = attn_block;
     constexpr int R = attn_rows;
@@ -216,6 +220,7 @@ struct attn_task {
     std::vector<float> m(static_cast<std::size_t>(rows_p), -std::numeric_limits<float>::infinity());
     std::vector<float> l(static_cast<std::size_t>(rows_p), 0.0f);
     std::vector<int> node(static_cast<std::size_t>(rows_p));
+    const float* vrows[B] = {};  // V row of each key of the current block
 
     for (int r = 0; r < rows_p; ++r) {
       const int rr = std::min(r0 + r, r1 - 1);  // padded rows repeat the last real row
@@ -238,16 +243,23 @@ struct attn_task {
         for (int rb = 0; rb < rows_p && !any; rb += R)
           for (int r = rb; r < rb + R; ++r) any = any || (bits(node[static_cast<std::size_t>(r)], j0) & valid) != 0;
       if (!any) continue;
-      // Gather the block: K transposed for the QK micro-kernel, V row-major. Padding is zero.
+      // Gather the block: K transposed for the QK micro-kernel (padding columns zero); V rows are
+      // read in place from a float cache, converted into Vb otherwise.
       for (int k = 0; k < B; ++k) {
-        float* vrow = Vb + static_cast<std::size_t>(k) * Dz;
         if (k < cnt) {
-          attn_load_row(kv.k_row(layer, slot0 + k, g), tmp, D);
-          for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = tmp[d];
-          attn_load_row(kv.v_row(layer, slot0 + k, g), vrow, D);
+          const float* krow = tmp;
+          if constexpr (float_rows) {
+            krow = kv.k_row(layer, slot0 + k, g);
+            vrows[k] = kv.v_row(layer, slot0 + k, g);
+          } else {
+            float* vrow = Vb + static_cast<std::size_t>(k) * Dz;
+            attn_load_row(kv.k_row(layer, slot0 + k, g), tmp, D);
+            attn_load_row(kv.v_row(layer, slot0 + k, g), vrow, D);
+            vrows[k] = vrow;
+          }
+          for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = krow[d];
         } else {
           for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = 0.0f;
-          std::fill(vrow, vrow + D, 0.0f);
         }
       }
       for (int rb = 0; rb < rows_p; rb += R) {
@@ -260,7 +272,7 @@ struct attn_task {
         if (any_row == 0) continue;
         qk(Q + static_cast<std::size_t>(rb) * Dz, Kt, S);
         softmax_update(S, vis, m.data() + rb, l.data() + rb, O + static_cast<std::size_t>(rb) * Dz);
-        pv(S, Vb, cnt, O + static_cast<std::size_t>(rb) * Dz);
+        pv(S, vrows, cnt, O + static_cast<std::size_t>(rb) * Dz);
       }
     }
     for (int r = 0; r < rows; ++r) {
@@ -385,15 +397,15 @@ struct attn_task {
     }
   }
 
-  // O[R][D] += P[R][B] · Vb[B][D] over the first `cnt` keys.
-  void pv(const float* P, const float* Vb, int cnt, float* O) const noexcept {
+  // O[R][D] += P[R][B] · V[B][D] over the first `cnt` keys (row k of V at vrows[k]).
+  void pv(const float* P, const float* const* vrows, int cnt, float* O) const noexcept {
     constexpr int B = attn_block;
     const auto Dz = static_cast<std::size_t>(D);
 #if MEDUSA_ATTENTION_AVX512
     if (D % 16 == 0) {
       std::size_t d0 = 0;
-      for (; d0 + 64 <= Dz; d0 += 64) pv_chunk<4>(P, Vb, cnt, O, d0);
-      for (; d0 < Dz; d0 += 16) pv_chunk<1>(P, Vb, cnt, O, d0);
+      for (; d0 + 64 <= Dz; d0 += 64) pv_chunk<4>(P, vrows, cnt, O, d0);
+      for (; d0 < Dz; d0 += 16) pv_chunk<1>(P, vrows, cnt, O, d0);
       return;
     }
 #endif
@@ -403,7 +415,7 @@ struct attn_task {
       for (int k = 0; k < cnt; ++k) {
         const float w = p[k];
         if (w == 0.0f) continue;
-        const float* v = Vb + static_cast<std::size_t>(k) * Dz;
+        const float* v = vrows[k];
         for (std::size_t d = 0; d < Dz; ++d) o[d] += w * v[d];
       }
     }
@@ -411,14 +423,14 @@ struct attn_task {
 
 #if MEDUSA_ATTENTION_AVX512
   template <int NC>
-  void pv_chunk(const float* P, const float* Vb, int cnt, float* O, std::size_t d0) const noexcept {
+  void pv_chunk(const float* P, const float* const* vrows, int cnt, float* O, std::size_t d0) const noexcept {
     constexpr int B = attn_block;
     const auto Dz = static_cast<std::size_t>(D);
     __m512 acc[attn_rows][NC];
     for (int r = 0; r < attn_rows; ++r)
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_loadu_ps(O + static_cast<std::size_t>(r) * Dz + d0 + 16 * c);
     for (int k = 0; k < cnt; ++k) {
-      const float* v = Vb + static_cast<std::size_t>(k) * Dz + d0;
+      const float* v = vrows[k] + d0;
       __m512 vv[NC];
       for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
       for (int r = 0; r < attn_rows; ++r) {
