@@ -183,8 +183,10 @@ int run(const run_args& a) {
                            ? head_w.view()
                            : head_w.view(medusa::weight_ptr::of(engine.weights().classifier()),
                                          static_cast<std::size_t>(cfg.vocab_size));
+    // Only the heads the tree reaches run.
     heads.emplace(engine, stack,
-                  a.head_weights == "f32" ? medusa_llama::weight_format::f32 : medusa_llama::weight_format::bf16);
+                  a.head_weights == "f32" ? medusa_llama::weight_format::f32 : medusa_llama::weight_format::bf16,
+                  tree->depth());
   }
 
   medusa::decode_options dopt;

@@ -10,6 +10,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -95,6 +96,17 @@ TEST_CASE("packed heads equal the head_stack forward") {
         }
 }
 
+TEST_CASE("packed heads can run the first heads of a stack only") {
+  engine eng(model::random(tiny_config(), 3, 0.2f), engine_options{.threads = 1});
+  const auto w = random_stack(eng.weights(), 3, 1, medusa::projection_kind::per_head, 4);
+  packed_heads all(eng, w.view(), weight_format::f32), two(eng, w.view(), weight_format::f32, 2);
+  CHECK(two.num_heads() == 2);
+  std::vector<float> h(64, 0.5f), a(3 * 97), b(2 * 97);
+  all.forward(h, a);
+  two.forward(h, b);
+  CHECK(std::equal(b.begin(), b.end(), a.begin()));
+}
+
 TEST_CASE("packed heads reject mismatched models and buffers") {
   engine eng(model::random(tiny_config(), 3, 0.2f), engine_options{.threads = 1});
   auto other = tiny_config();
@@ -110,6 +122,8 @@ TEST_CASE("packed heads reject mismatched models and buffers") {
   CHECK_THROWS_AS(heads.forward(h, short_logits), engine_error);
   std::vector<float> short_h(63);
   CHECK_THROWS_AS(heads.forward(short_h, logits), engine_error);
+  CHECK_THROWS_AS(packed_heads(eng, ok.view(), weight_format::bf16, 3), engine_error);
+  CHECK_THROWS_AS(packed_heads(eng, ok.view(), weight_format::bf16, -1), engine_error);
   medusa::head_weights unset;  // default-constructed: no heads
   CHECK_THROWS(packed_heads(eng, unset.view()));
 }

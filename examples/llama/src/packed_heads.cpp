@@ -77,12 +77,16 @@ struct packed_heads::impl {
   }
 };
 
-packed_heads::packed_heads(engine& eng, const medusa::head_stack<>& stack, weight_format format) : p_(std::make_unique<impl>()) {
+packed_heads::packed_heads(engine& eng, const medusa::head_stack<>& stack, weight_format format, int num_heads)
+    : p_(std::make_unique<impl>()) {
   auto bad = [](const std::string& msg) { throw engine_error(engine_errc::bad_option, "packed_heads: " + msg); };
   stack.validate();
   impl& s = *p_;
   s.pool = &eng.pool();
-  s.K = static_cast<int>(stack.num_heads());
+  const int available = static_cast<int>(stack.num_heads());
+  if (num_heads < 0 || num_heads > available)
+    bad("asked for " + std::to_string(num_heads) + " heads of a stack of " + std::to_string(available));
+  s.K = num_heads == 0 ? available : num_heads;
   s.L = static_cast<int>(stack.num_layers());
   s.d = static_cast<int>(stack.hidden_size());
   s.V = static_cast<int>(stack.vocab_size());

@@ -29,10 +29,13 @@ namespace medusa_llama {
 //! the engine's thread pool. The engine must outlive the heads.
 class packed_heads {
  public:
-  //! Packs `stack` (any weight dtype; a shared-lm_head stack packs its lm_head view too).
-  //! Throws `engine_error` (`bad_option`) when the stack's hidden size differs from the model's
-  //! or a weight is unset, `medusa::invalid_input` from the stack's own checks.
-  packed_heads(engine& eng, const medusa::head_stack<>& stack, weight_format format = weight_format::bf16);
+  //! Packs the first `num_heads` heads of `stack` (0 = all; a tree of depth D needs only D, and
+  //! every head left out is weight streaming saved per step). Any weight dtype; a shared-lm_head
+  //! stack packs its lm_head view too. Throws `engine_error` (`bad_option`) when the stack's
+  //! hidden or vocabulary size differs from the model's or `num_heads` exceeds the stack's, and
+  //! `medusa::invalid_input` from the stack's own checks (e.g. an unset weight).
+  packed_heads(engine& eng, const medusa::head_stack<>& stack, weight_format format = weight_format::bf16,
+               int num_heads = 0);
   packed_heads(packed_heads&&) noexcept;
   packed_heads& operator=(packed_heads&&) noexcept;
   ~packed_heads();
