@@ -24,6 +24,19 @@ DEFAULT_PROMPTS = [
 ]
 
 
+def tree_nodes(bin_dir: str, tree: str) -> int:
+    """Node count of a preset, tree text or file, as medusa-tree reads it."""
+    import pathlib
+    if pathlib.Path(tree).is_file():
+        args = ["--choices-file", tree]
+    elif tree.lstrip().startswith("["):
+        args = ["--choices", tree]
+    else:
+        args = ["--preset", tree]
+    out = subprocess.run([f"{bin_dir}/medusa-tree", *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)["num_nodes"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", required=True, help="folder with medusa-run")
@@ -34,6 +47,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--per-prompt", action="store_true", help="also print each prompt's medians")
     a = ap.parse_args()
 
     print(f"{'weights':7} {'tree':28} {'nodes':>5} {'plain tok/s':>11} {'medusa tok/s':>12} "
@@ -41,7 +55,7 @@ def main() -> int:
     for weights in a.weights.split(","):
         for tree in a.trees.split(","):
             ratios, plain, medusa, per_step, same = [], [], [], [], True
-            nodes = "?"
+            by_prompt = {p: ([], []) for p in DEFAULT_PROMPTS}  # ratios, tokens per step
             for _ in range(a.repeat):
                 for prompt in DEFAULT_PROMPTS:
                     out = subprocess.run(
@@ -58,17 +72,16 @@ def main() -> int:
                     medusa.append(m["tokens_per_second"])
                     ratios.append(m["tokens_per_second"] / v["tokens_per_second"])
                     per_step.append(m["mean_accepted"])
-                    nodes = str(len(m["accepted_histogram"]) and "")
-            try:
-                import pathlib
-                text = pathlib.Path(tree).read_text() if pathlib.Path(tree).is_file() else None
-                nodes = str(len(json.loads(text)) + 1) if text else ("64" if not tree.startswith("[") else str(len(json.loads(tree)) + 1))
-            except (OSError, ValueError):
-                nodes = "?"
+                    by_prompt[prompt][0].append(ratios[-1])
+                    by_prompt[prompt][1].append(per_step[-1])
+            nodes = str(tree_nodes(a.bin, tree))
             name = tree if len(tree) <= 28 else "…" + tree[-27:]
             print(f"{weights:7} {name:28} {nodes:>5} {statistics.median(plain):11.1f} {statistics.median(medusa):12.1f} "
                   f"{statistics.median(ratios):6.2f}x {statistics.median(per_step):8.2f} {'yes' if same else 'NO'}",
                   flush=True)
+            if a.per_prompt:
+                for prompt, (r, t) in by_prompt.items():
+                    print(f"    {repr(prompt)[:40]:40} speedup {statistics.median(r):5.2f}x  tok/step {statistics.median(t):5.2f}")
     return 0
 
 
