@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Packed-panel projection kernels (see gemm.hpp). The AVX-512 micro-tile keeps MR tokens × 2
-// panels (32 columns) of float32 accumulators in registers: per k it loads two weight vectors and
-// broadcasts MR activations (16 FMAs for 10 loads at MR = 8). One or two tokens split k over 2-4
-// accumulator sets instead, so the single-token GEMV is bound by weight streaming, not FMA latency.
+// Packed-panel projection kernels (see gemm.hpp). The AVX-512 micro-tile keeps MR tokens × NB
+// panels (16 columns each) of float32 accumulators in registers: per k it loads NB weight vectors
+// and broadcasts MR activations (24 FMAs for 11 loads at MR = 8, NB = 3). One or two tokens split
+// k over 2-4 accumulator sets instead, so the single-token GEMV is bound by weight streaming, not
+// FMA latency. Each panel stream is prefetched a few cache lines ahead: with 8 or more tokens the
+// FMAs take as long as the loads, and the hardware prefetcher alone leaves the stream stalling.
 #include "gemm.hpp"
 
 #include <algorithm>
@@ -20,6 +22,7 @@ namespace medusa_llama::detail {
 namespace {
 constexpr int kPanel = 16;  // output columns per panel
 constexpr int kMaxMR = 8;   // tokens per micro-tile
+constexpr int kPrefetch = 8;  // k steps (cache lines of a float32 panel) to prefetch ahead
 std::size_t sz(int v) { return static_cast<std::size_t>(v); }
 [[maybe_unused]] float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
 }  // namespace
@@ -128,7 +131,7 @@ inline void write_tile(__m512 (&acc)[MR][NB], float* Y, std::size_t ldy, const i
   }
 #pragma GCC unroll 8
   for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 2
+#pragma GCC unroll 3
     for (int b = 0; b < NB; ++b) {
       float* y = Y + sz(t) * ldy + sz(b) * kPanel;
       const __mmask16 m = col_mask(cols[b]);
@@ -147,7 +150,7 @@ void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, i
   for (int s = 0; s < KS; ++s)
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 2
+#pragma GCC unroll 3
       for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_setzero_ps();
   const float* xr[MR];
 #pragma GCC unroll 8
@@ -157,24 +160,30 @@ void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, i
 #pragma GCC unroll 4
     for (int s = 0; s < KS; ++s) {
       __m512 w[NB];
-#pragma GCC unroll 2
-      for (int b = 0; b < NB; ++b) w[b] = _mm512_load_ps(P + sz(b) * ps + sz(k + s) * kPanel);
+#pragma GCC unroll 3
+      for (int b = 0; b < NB; ++b) {
+        const float* src = P + sz(b) * ps + sz(k + s) * kPanel;
+        // Past the panel's end this touches the next panel or the allocation's tail: prefetches
+        // never fault.
+        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch * kPanel), _MM_HINT_T0);
+        w[b] = _mm512_load_ps(src);
+      }
 #pragma GCC unroll 8
       for (int t = 0; t < MR; ++t) {
         const __m512 x = _mm512_set1_ps(xr[t][k + s]);
-#pragma GCC unroll 2
+#pragma GCC unroll 3
         for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_fmadd_ps(w[b], x, acc[s][t][b]);
       }
     }
   }
   for (; k < K; ++k) {
     __m512 w[NB];
-#pragma GCC unroll 2
+#pragma GCC unroll 3
     for (int b = 0; b < NB; ++b) w[b] = _mm512_load_ps(P + sz(b) * ps + sz(k) * kPanel);
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t) {
       const __m512 x = _mm512_set1_ps(xr[t][k]);
-#pragma GCC unroll 2
+#pragma GCC unroll 3
       for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(w[b], x, acc[0][t][b]);
     }
   }
@@ -182,7 +191,7 @@ void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, i
   for (int s = 1; s < KS; ++s)
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 2
+#pragma GCC unroll 3
       for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_add_ps(acc[0][t][b], acc[s][t][b]);
   write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
 }
@@ -199,7 +208,7 @@ void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size
   for (int s = 0; s < KS; ++s)
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 2
+#pragma GCC unroll 3
       for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_setzero_ps();
   const float* xr[MR];
 #pragma GCC unroll 8
@@ -212,9 +221,11 @@ void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size
 #pragma GCC unroll 4
     for (int s = 0; s < KS; ++s) {
       __m512 we[NB], wo[NB];
-#pragma GCC unroll 2
+#pragma GCC unroll 3
       for (int b = 0; b < NB; ++b) {
-        const __m512i v = _mm512_load_si512(P + sz(b) * ps + sz(kp + s) * 2 * kPanel);
+        const std::uint16_t* src = P + sz(b) * ps + sz(kp + s) * 2 * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch * 2 * kPanel), _MM_HINT_T0);
+        const __m512i v = _mm512_load_si512(src);
         we[b] = _mm512_castsi512_ps(_mm512_mask_slli_epi32(v, all, v, 16));
         wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
       }
@@ -222,7 +233,7 @@ void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size
 #pragma GCC unroll 8
       for (int t = 0; t < MR; ++t) {
         const __m512 xe = _mm512_set1_ps(xr[t][k]), xo = _mm512_set1_ps(xr[t][k + 1]);
-#pragma GCC unroll 2
+#pragma GCC unroll 3
         for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_fmadd_ps(wo[b], xo, _mm512_fmadd_ps(we[b], xe, acc[s][t][b]));
       }
     }
@@ -230,7 +241,7 @@ void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size
   for (; 2 * kp < K; ++kp) {
     const bool odd = 2 * kp + 1 < K;
     __m512 we[NB], wo[NB];
-#pragma GCC unroll 2
+#pragma GCC unroll 3
     for (int b = 0; b < NB; ++b) {
       const __m512i v = _mm512_load_si512(P + sz(b) * ps + sz(kp) * 2 * kPanel);
       we[b] = _mm512_castsi512_ps(_mm512_mask_slli_epi32(v, all, v, 16));
@@ -240,11 +251,11 @@ void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t) {
       const __m512 xe = _mm512_set1_ps(xr[t][k]);
-#pragma GCC unroll 2
+#pragma GCC unroll 3
       for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(we[b], xe, acc[0][t][b]);
       if (odd) {
         const __m512 xo = _mm512_set1_ps(xr[t][k + 1]);
-#pragma GCC unroll 2
+#pragma GCC unroll 3
         for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(wo[b], xo, acc[0][t][b]);
       }
     }
@@ -253,7 +264,7 @@ void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size
   for (int s = 1; s < KS; ++s)
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 2
+#pragma GCC unroll 3
       for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_add_ps(acc[0][t][b], acc[s][t][b]);
   write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
 }
@@ -268,11 +279,14 @@ template <int NB, int MR>
 void tile(const packed_matrix& W, const float* P32, const std::uint16_t* P16, const gemm_input& in, int t0, float* Y,
           std::size_t ldy, const int (&cols)[NB], epilogue op) {
   float* y = Y + sz(t0) * ldy;
-  if (W.format() == weight_format::bf16) {
+  if constexpr (NB == 3) {  // only float32 groups have 3 panels (packed_matrix::group_panels)
+    (void)P16;
+    tile_f32<MR, NB, ksplit<MR>()>(P32, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
+  } else if (W.format() == weight_format::bf16) {
     tile_bf16<MR, NB, ksplit<MR>()>(P16, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
-    return;
+  } else {
+    tile_f32<MR, NB, ksplit<MR>()>(P32, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
   }
-  tile_f32<MR, NB, ksplit<MR>()>(P32, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
 }
 
 template <int NB>
@@ -298,7 +312,7 @@ namespace {
 // Portable kernel (no AVX-512): the same arithmetic, column by column.
 [[maybe_unused]] void group_scalar(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g, epilogue op) {
   const int K = W.in();
-  const int p0 = 2 * g, np = std::min(2, W.panels() - p0);
+  const int p0 = W.group_panels() * g, np = std::min(W.group_panels(), W.panels() - p0);
   auto weight = [&](int p, int j, int k) {
     if (W.format() == weight_format::f32) return W.f32()[sz(p) * W.panel_stride() + sz(k) * kPanel + sz(j)];
     return bf16_to_float(W.b16()[sz(p) * W.panel_stride() + sz(k / 2) * 2 * kPanel + sz(j) * 2 + sz(k % 2)]);
@@ -334,8 +348,9 @@ void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::si
 #if defined(__AVX512F__)
   const int T = in.T;
   const int tiles = (T + kMaxMR - 1) / kMaxMR;
+  const int GP = W.group_panels();
   for (int g = g0; g < g1; ++g) {
-    const int p0 = 2 * g;
+    const int p0 = GP * g;
     const float* P32 = W.format() == weight_format::f32 ? W.f32() + sz(p0) * W.panel_stride() : nullptr;
     const std::uint16_t* P16 = W.format() == weight_format::bf16 ? W.b16() + sz(p0) * W.panel_stride() : nullptr;
     // Balanced token tiles (sizes differ by at most one): each reads the group's panels once.
@@ -350,14 +365,25 @@ void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::si
       const int c0 = g * kPanel;
       const int cols[2] = {std::min(kPanel, W.rows() - c0), kPanel};
       for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
-    } else if (p0 + 1 < W.panels()) {
-      const int c0 = p0 * kPanel;
-      const int cols[2] = {kPanel, std::min(kPanel, W.rows() - c0 - kPanel)};
-      for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
-    } else {
-      const int c0 = p0 * kPanel;
-      const int cols[1] = {std::min(kPanel, W.rows() - c0)};
-      for_tiles([&](int mr, int t0) { tile_rows<1>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+      continue;
+    }
+    const int c0 = p0 * kPanel;
+    auto cols_of = [&](int b) { return std::min(kPanel, W.rows() - c0 - b * kPanel); };
+    switch (std::min(GP, W.panels() - p0)) {
+      case 3: {
+        const int cols[3] = {kPanel, kPanel, cols_of(2)};
+        for_tiles([&](int mr, int t0) { tile_rows<3>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+        break;
+      }
+      case 2: {
+        const int cols[2] = {kPanel, cols_of(1)};
+        for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+        break;
+      }
+      default: {
+        const int cols[1] = {cols_of(0)};
+        for_tiles([&](int mr, int t0) { tile_rows<1>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+      }
     }
   }
 #else

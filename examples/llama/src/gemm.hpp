@@ -36,8 +36,11 @@ class packed_matrix {
   [[nodiscard]] int panels() const noexcept { return panels_; } //!< 16-column panels stored
   [[nodiscard]] bool pair() const noexcept { return pair_; }    //!< SwiGLU interleaved pair
   [[nodiscard]] weight_format format() const noexcept { return fmt_; }
-  //! Units of work for the threads: 2 panels each (32 columns, or 16 columns of a pair).
-  [[nodiscard]] int groups() const noexcept { return (panels_ + 1) / 2; }
+  //! Panels per unit of work: 3 for float32 (48 columns: 24 accumulators at 8 tokens), 2 for bf16
+  //! (its widened weights need the registers) and for a SwiGLU pair (16 columns of gate and up).
+  [[nodiscard]] int group_panels() const noexcept { return pair_ || fmt_ == weight_format::bf16 ? 2 : 3; }
+  //! Units of work for the threads: `group_panels()` panels each (the last one may have fewer).
+  [[nodiscard]] int groups() const noexcept { return (panels_ + group_panels() - 1) / group_panels(); }
   //! Bytes of packed weights.
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
   //! Elements (float or bf16) per panel.
