@@ -47,6 +47,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--head-weights", default="", help="medusa-run --head-weights (default: its own)")
     ap.add_argument("--per-prompt", action="store_true", help="also print each prompt's medians")
     a = ap.parse_args()
 
@@ -61,7 +62,8 @@ def main() -> int:
                     out = subprocess.run(
                         [f"{a.bin}/medusa-run", "--model", a.model, "--heads", a.heads, "--tree", tree,
                          "--weights", weights, "--threads", str(a.threads), "--prompt", prompt,
-                         "--max-new-tokens", str(a.tokens), "--mode", "both", "--json"],
+                         "--max-new-tokens", str(a.tokens), "--mode", "both", "--json",
+                         *(["--head-weights", a.head_weights] if a.head_weights else [])],
                         capture_output=True, text=True)
                     if out.returncode != 0:
                         print(out.stderr, file=sys.stderr)

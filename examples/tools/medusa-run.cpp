@@ -5,7 +5,7 @@
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree PRESET|TEXT|FILE] [--policy greedy|typical|rejection] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
-//              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights f32|bf16]
+//              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights bf16|int8|f32]
 //              [--threads N] [--json]
 #include <medusa/medusa.hpp>
 
@@ -129,8 +129,8 @@ int run(const run_args& a) {
     throw usage_error("--policy must be greedy, typical or rejection, got " + a.policy);
   if (a.max_new_tokens < 0) throw usage_error("--max-new-tokens must be >= 0");
   if (a.weights != "f32" && a.weights != "bf16") throw usage_error("--weights must be f32 or bf16, got " + a.weights);
-  if (a.head_weights != "f32" && a.head_weights != "bf16")
-    throw usage_error("--head-weights must be f32 or bf16, got " + a.head_weights);
+  if (a.head_weights != "f32" && a.head_weights != "bf16" && a.head_weights != "int8")
+    throw usage_error("--head-weights must be f32, bf16 or int8, got " + a.head_weights);
   if (!a.prompt.empty() && !a.prompt_file.empty()) throw usage_error("give --prompt or --prompt-file, not both");
   const bool want_medusa = a.mode != "vanilla";
 
@@ -184,9 +184,10 @@ int run(const run_args& a) {
                            : head_w.view(medusa::weight_ptr::of(engine.weights().classifier()),
                                          static_cast<std::size_t>(cfg.vocab_size));
     // Only the heads the tree reaches run.
-    heads.emplace(engine, stack,
-                  a.head_weights == "f32" ? medusa_llama::weight_format::f32 : medusa_llama::weight_format::bf16,
-                  tree->depth());
+    const auto head_format = a.head_weights == "f32"    ? medusa_llama::weight_format::f32
+                             : a.head_weights == "int8" ? medusa_llama::weight_format::int8
+                                                        : medusa_llama::weight_format::bf16;
+    heads.emplace(engine, stack, head_format, tree->depth());
   }
 
   medusa::decode_options dopt;
@@ -281,7 +282,7 @@ int main(int argc, char** argv) {
   app.add_option("--weights", a.weights, "engine weight format: f32 | bf16 (half the bytes, f32 arithmetic)")
       ->capture_default_str();
   app.add_option("--head-weights", a.head_weights,
-                 "Medusa head weight format: bf16 | f32 (drafts only: the output does not depend on it)")
+                 "Medusa head weight format: bf16 | int8 | f32 (drafts only: the output does not depend on it)")
       ->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON line per run instead of streaming text");
   return medusa_tools::run_tool(app, argc, argv, [&] { return run(a); });

@@ -270,6 +270,7 @@ TEST_CASE("forward rejects inconsistent arguments without writing") {
   CHECK(code_of([&] { e.truncate(5); }) == engine_errc::bad_slot);
   CHECK(code_of([&] { (void)e.kv_layer(2); }) == engine_errc::bad_option);
   CHECK(code_of([&] { engine bad(tiny_model(), {.max_batch = 0}); }) == engine_errc::bad_option);
+  CHECK(code_of([&] { engine bad(tiny_model(), {.weights = weight_format::int8}); }) == engine_errc::bad_option);
   CHECK(code_of([&] { e.prefill(std::vector<int>(37, 1), 4, logits, {}); }) == engine_errc::bad_batch);  // 41 > capacity
   two(ok_mask, {row0, logits, {}});
   CHECK(e.length() == 6);
@@ -387,6 +388,21 @@ std::vector<double> naive_gemm(const std::vector<float>& W, const std::vector<fl
   return y;
 }
 
+// The int8 packing's weights: per row (output column) w ≈ round(w / s) · s, s = max |w| / 127.
+std::vector<float> rounded_int8(const std::vector<float>& v, int rows, int in) {
+  std::vector<float> out(v.size());
+  for (int r = 0; r < rows; ++r) {
+    const float* w = v.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(in);
+    float amax = 0.0f;
+    for (int k = 0; k < in; ++k) amax = std::max(amax, std::abs(w[k]));
+    const float s = amax / 127.0f;
+    for (int k = 0; k < in; ++k)
+      out[static_cast<std::size_t>(r) * static_cast<std::size_t>(in) + static_cast<std::size_t>(k)] =
+          s > 0.0f ? std::clamp(std::nearbyint(w[k] / s), -127.0f, 127.0f) * s : 0.0f;
+  }
+  return out;
+}
+
 std::vector<float> rounded_bf16(const std::vector<float>& v) {
   std::vector<float> r(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) r[i] = detail::bf16_to_float(detail::bf16_round(v[i]));
@@ -395,7 +411,7 @@ std::vector<float> rounded_bf16(const std::vector<float>& v) {
 
 }  // namespace
 
-TEST_CASE("packed kernels equal a naive GEMM for ragged shapes, both formats, every epilogue") {
+TEST_CASE("packed kernels equal a naive GEMM for ragged shapes, every format and epilogue") {
   std::mt19937 rng(123);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   auto rnd = [&](std::size_t n) {
@@ -406,7 +422,7 @@ TEST_CASE("packed kernels equal a naive GEMM for ragged shapes, both formats, ev
   const int shapes[][2] = {{1, 1}, {5, 3}, {16, 16}, {17, 31}, {33, 64}, {50, 100}, {96, 7}, {130, 45}};
   const int batches[] = {1, 2, 3, 5, 7, 8, 9, 13, 17, 64};
   int cases = 0;
-  for (auto fmt : {weight_format::f32, weight_format::bf16})
+  for (auto fmt : {weight_format::f32, weight_format::bf16, weight_format::int8})
     for (const auto& sh : shapes)
       for (int T : batches)
         for (auto op : {detail::epilogue::store, detail::epilogue::add, detail::epilogue::swiglu}) {
@@ -439,10 +455,14 @@ TEST_CASE("packed kernels equal a naive GEMM for ragged shapes, both formats, ev
           const detail::gemm_input gi{Xs.data(), static_cast<std::size_t>(ldx), T};
           detail::gemm_packed(P, gi, Y.data(), static_cast<std::size_t>(ldy), 0, split, op);
           detail::gemm_packed(P, gi, Y.data(), static_cast<std::size_t>(ldy), split, P.groups(), op);
-          // bf16: the reference takes the rounded weights (activations stay float32), so only the
+          // bf16 / int8: the reference takes the rounded weights (activations stay float32), so only the
           // summation order differs.
-          const bool b = fmt == weight_format::bf16;
-          const auto ref = naive_gemm(b ? rounded_bf16(W) : W, b ? rounded_bf16(W3) : W3, X, Y0, T, rows, in, op);
+          auto rounded = [&](const std::vector<float>& w) {
+            if (fmt == weight_format::bf16) return rounded_bf16(w);
+            if (fmt == weight_format::int8) return rounded_int8(w, rows, in);
+            return w;
+          };
+          const auto ref = naive_gemm(rounded(W), rounded(W3), X, Y0, T, rows, in, op);
           double err = 0;
           bool gap_kept = true;
           for (int t = 0; t < T; ++t) {
@@ -455,7 +475,7 @@ TEST_CASE("packed kernels equal a naive GEMM for ragged shapes, both formats, ev
           CHECK(gap_kept);
           ++cases;
         }
-  CHECK(cases == 2 * 8 * 10 * 3);
+  CHECK(cases == 3 * 8 * 10 * 3);
   CHECK(detail::bf16_round(1.0f) == 0x3f80);
   CHECK(detail::bf16_round(1.00390625f) == 0x3f80);  // halfway: ties to even
   CHECK(detail::bf16_round(1.01171875f) == 0x3f82);  // halfway: ties to even (up)

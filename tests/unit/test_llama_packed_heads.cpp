@@ -51,6 +51,17 @@ medusa::head_weights random_stack(const model& m, std::size_t K, std::size_t L, 
   return w;
 }
 
+// In place: every row of `rows` × `in` floats as the int8 packing stores it (per-row symmetric).
+void round_rows_int8(float* w, std::size_t rows, std::size_t in) {
+  for (std::size_t r = 0; r < rows; ++r) {
+    float* row = w + r * in;
+    float amax = 0.0f;
+    for (std::size_t k = 0; k < in; ++k) amax = std::max(amax, std::abs(row[k]));
+    const float s = amax / 127.0f;
+    for (std::size_t k = 0; k < in; ++k) row[k] = s > 0.0f ? std::clamp(std::nearbyint(row[k] / s), -127.0f, 127.0f) * s : 0.0f;
+  }
+}
+
 }  // namespace
 
 TEST_CASE("packed heads equal the head_stack forward") {
@@ -61,7 +72,7 @@ TEST_CASE("packed heads equal the head_stack forward") {
   for (auto kind : {medusa::projection_kind::per_head, medusa::projection_kind::shared_lm_head})
     for (std::size_t L : {0u, 1u, 2u})
       for (std::size_t K : {1u, 3u})
-        for (auto fmt : {weight_format::f32, weight_format::bf16}) {
+        for (auto fmt : {weight_format::f32, weight_format::bf16, weight_format::int8}) {
           CAPTURE(static_cast<int>(kind));
           CAPTURE(L);
           CAPTURE(K);
@@ -69,10 +80,18 @@ TEST_CASE("packed heads equal the head_stack forward") {
           auto w = random_stack(eng.weights(), K, L, kind, static_cast<unsigned>(K * 10 + L));
           // The reference sees the weights the packed heads use: bf16-rounded for bf16.
           if (fmt == weight_format::bf16) w = w.to_dtype(medusa::weight_dtype::bf16);
+          const auto dd = static_cast<std::size_t>(d), VV = static_cast<std::size_t>(V);
+          if (fmt == weight_format::int8) {
+            for (std::size_t k = 0; k < K; ++k) {
+              for (std::size_t l = 0; l < L; ++l) round_rows_int8(reinterpret_cast<float*>(w.resblock_weight_bytes(k, l).data()), dd, dd);
+              if (kind == medusa::projection_kind::per_head) round_rows_int8(reinterpret_cast<float*>(w.projection_bytes(k).data()), VV, dd);
+            }
+          }
           // A shared lm_head is packed in the heads' format too.
           std::vector<float> lm_head(eng.weights().classifier(), eng.weights().classifier() + static_cast<std::size_t>(V * d));
           if (fmt == weight_format::bf16)
             for (auto& x : lm_head) x = static_cast<float>(medusa::bfloat16(x));
+          if (fmt == weight_format::int8) round_rows_int8(lm_head.data(), VV, dd);
           const auto stack = kind == medusa::projection_kind::per_head
                                  ? w.view()
                                  : w.view(medusa::weight_ptr::of(lm_head.data()), static_cast<std::size_t>(V));

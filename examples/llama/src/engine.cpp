@@ -358,6 +358,7 @@ engine::engine(model m, engine_options o) {
   if (o.prefill_chunk < 1) bad("prefill_chunk " + std::to_string(o.prefill_chunk) + " must be positive");
   o.prefill_chunk = std::min(o.prefill_chunk, o.max_batch);
   if (o.threads < 0 || o.threads > 256) bad("threads " + std::to_string(o.threads) + " is outside [0, 256]");
+  if (o.weights == weight_format::int8) bad("int8 weights are for Medusa heads only (packed_heads); the model needs f32 or bf16");
   if (o.weights != weight_format::f32 && o.weights != weight_format::bf16)
     bad("weight format " + std::to_string(static_cast<int>(o.weights)) + " is unknown");
   if (o.blas_min_batch < 2) bad("blas_min_batch " + std::to_string(o.blas_min_batch) + " must be at least 2");

@@ -39,8 +39,9 @@ void packed_matrix::free_aligned::operator()(std::byte* p) const noexcept { ::op
 
 void packed_matrix::allocate(int panels) {
   panels_ = panels;
-  panel_stride_ = fmt_ == weight_format::f32 ? sz(in_) * kPanel : bf16_stride(in_) * kPanel;
-  const std::size_t elem = fmt_ == weight_format::f32 ? sizeof(float) : sizeof(std::uint16_t);
+  panel_stride_ = fmt_ == weight_format::bf16 ? bf16_stride(in_) * kPanel : sz(in_) * kPanel;
+  const std::size_t elem = fmt_ == weight_format::f32 ? sizeof(float) : fmt_ == weight_format::bf16 ? sizeof(std::uint16_t) : 1;
+  if (fmt_ == weight_format::int8) scales_.assign(sz(panels) * kPanel, 0.0f);
   bytes_ = sz(panels) * panel_stride_ * elem;
   data_.reset(new (std::align_val_t{64}) std::byte[std::max<std::size_t>(bytes_, 64)]);
   std::memset(data_.get(), 0, bytes_);
@@ -54,6 +55,17 @@ void packed_matrix::pack_panel(int dst_panel, const float* W, int first_row, int
     for (int j = 0; j < n_rows; ++j) {
       const float* w = W + sz(first_row + j) * K;
       for (std::size_t k = 0; k < K; ++k) P[k * kPanel + sz(j)] = w[k];
+    }
+  } else if (fmt_ == weight_format::int8) {
+    std::int8_t* P = static_cast<std::int8_t*>(static_cast<void*>(data_.get())) + sz(dst_panel) * panel_stride_;
+    for (int j = 0; j < n_rows; ++j) {
+      const float* w = W + sz(first_row + j) * K;
+      float amax = 0.0f;
+      for (std::size_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(w[k]));
+      const float scale = amax > 0.0f ? amax / 127.0f : 0.0f;
+      scales_[sz(dst_panel) * kPanel + sz(j)] = scale;
+      for (std::size_t k = 0; k < K; ++k)
+        P[k * kPanel + sz(j)] = static_cast<std::int8_t>(scale > 0.0f ? std::clamp(std::nearbyint(w[k] / scale), -127.0f, 127.0f) : 0.0f);
     }
   } else {
     std::uint16_t* P = static_cast<std::uint16_t*>(static_cast<void*>(data_.get())) + sz(dst_panel) * panel_stride_;
@@ -269,6 +281,71 @@ void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size
   write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
 }
 
+// One micro-tile, int8 weights: each k loads 16 bytes per panel, widens them to float32 (sign
+// extension and conversion), FMAs as float32, and scales the finished sums per column.
+template <int MR, int NB, int KS>
+void tile_i8(const std::int8_t* P, std::size_t ps, const float* S, const float* X, std::size_t ldx, int K, float* Y,
+             std::size_t ldy, const int (&cols)[NB], epilogue op) {
+  __m512 acc[KS][MR][NB];
+#pragma GCC unroll 4
+  for (int s = 0; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t)
+#pragma GCC unroll 3
+      for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_setzero_ps();
+  const float* xr[MR];
+#pragma GCC unroll 8
+  for (int t = 0; t < MR; ++t) xr[t] = X + sz(t) * ldx;
+  const __mmask16 all = 0xffff;  // masked forms: GCC 12's plain ones trip -Wmaybe-uninitialized
+  auto widen = [all](const std::int8_t* src) {
+    const __m512i v = _mm512_mask_cvtepi8_epi32(_mm512_setzero_si512(), all, _mm_load_si128(reinterpret_cast<const __m128i*>(src)));
+    return _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), all, v);
+  };
+  int k = 0;
+  for (; k + KS <= K; k += KS) {
+#pragma GCC unroll 4
+    for (int s = 0; s < KS; ++s) {
+      __m512 w[NB];
+#pragma GCC unroll 3
+      for (int b = 0; b < NB; ++b) {
+        const std::int8_t* src = P + sz(b) * ps + sz(k + s) * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(src + 4 * kPrefetch * kPanel), _MM_HINT_T0);
+        w[b] = widen(src);
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < MR; ++t) {
+        const __m512 x = _mm512_set1_ps(xr[t][k + s]);
+#pragma GCC unroll 3
+        for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_fmadd_ps(w[b], x, acc[s][t][b]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    __m512 w[NB];
+#pragma GCC unroll 3
+    for (int b = 0; b < NB; ++b) w[b] = widen(P + sz(b) * ps + sz(k) * kPanel);
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t) {
+      const __m512 x = _mm512_set1_ps(xr[t][k]);
+#pragma GCC unroll 3
+      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(w[b], x, acc[0][t][b]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int s = 1; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t)
+#pragma GCC unroll 3
+      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_add_ps(acc[0][t][b], acc[s][t][b]);
+#pragma GCC unroll 3
+  for (int b = 0; b < NB; ++b) {
+    const __m512 sc = _mm512_loadu_ps(S + sz(b) * kPanel);
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t) acc[0][t][b] = _mm512_mul_ps(acc[0][t][b], sc);
+  }
+  write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
+}
+
 // k-split: one or two tokens leave too few independent accumulators to cover the FMA latency.
 template <int MR>
 constexpr int ksplit() {
@@ -276,10 +353,16 @@ constexpr int ksplit() {
 }
 
 template <int NB, int MR>
-void tile(const packed_matrix& W, const float* P32, const std::uint16_t* P16, const gemm_input& in, int t0, float* Y,
-          std::size_t ldy, const int (&cols)[NB], epilogue op) {
+void tile(const packed_matrix& W, const float* P32, const std::uint16_t* P16, const std::int8_t* P8, const gemm_input& in,
+          int t0, float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
   float* y = Y + sz(t0) * ldy;
-  if constexpr (NB == 3) {  // only float32 groups have 3 panels (packed_matrix::group_panels)
+  if (W.format() == weight_format::int8) {
+    const std::size_t p0 = sz(P8 - W.i8()) / W.panel_stride();
+    tile_i8<MR, NB, ksplit<MR>()>(P8, W.panel_stride(), W.scales() + p0 * kPanel, in.x + sz(t0) * in.ldx, in.ldx, W.in(), y,
+                                  ldy, cols, op);
+    return;
+  }
+  if constexpr (NB == 3) {  // float32 and int8 groups have 3 panels (packed_matrix::group_panels)
     (void)P16;
     tile_f32<MR, NB, ksplit<MR>()>(P32, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
   } else if (W.format() == weight_format::bf16) {
@@ -290,17 +373,17 @@ void tile(const packed_matrix& W, const float* P32, const std::uint16_t* P16, co
 }
 
 template <int NB>
-void tile_rows(int mr, const packed_matrix& W, const float* P32, const std::uint16_t* P16, const gemm_input& in, int t0,
-               float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
+void tile_rows(int mr, const packed_matrix& W, const float* P32, const std::uint16_t* P16, const std::int8_t* P8,
+               const gemm_input& in, int t0, float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
   switch (mr) {
-    case 1: tile<NB, 1>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 2: tile<NB, 2>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 3: tile<NB, 3>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 4: tile<NB, 4>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 5: tile<NB, 5>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 6: tile<NB, 6>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 7: tile<NB, 7>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    default: tile<NB, 8>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 1: tile<NB, 1>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
+    case 2: tile<NB, 2>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
+    case 3: tile<NB, 3>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
+    case 4: tile<NB, 4>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
+    case 5: tile<NB, 5>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
+    case 6: tile<NB, 6>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
+    case 7: tile<NB, 7>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
+    default: tile<NB, 8>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
   }
 }
 
@@ -315,6 +398,8 @@ namespace {
   const int p0 = W.group_panels() * g, np = std::min(W.group_panels(), W.panels() - p0);
   auto weight = [&](int p, int j, int k) {
     if (W.format() == weight_format::f32) return W.f32()[sz(p) * W.panel_stride() + sz(k) * kPanel + sz(j)];
+    if (W.format() == weight_format::int8)
+      return static_cast<float>(W.i8()[sz(p) * W.panel_stride() + sz(k) * kPanel + sz(j)]) * W.scales()[sz(p) * kPanel + sz(j)];
     return bf16_to_float(W.b16()[sz(p) * W.panel_stride() + sz(k / 2) * 2 * kPanel + sz(j) * 2 + sz(k % 2)]);
   };
   auto act = [&](int t, int k) {
@@ -353,6 +438,7 @@ void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::si
     const int p0 = GP * g;
     const float* P32 = W.format() == weight_format::f32 ? W.f32() + sz(p0) * W.panel_stride() : nullptr;
     const std::uint16_t* P16 = W.format() == weight_format::bf16 ? W.b16() + sz(p0) * W.panel_stride() : nullptr;
+    const std::int8_t* P8 = W.format() == weight_format::int8 ? W.i8() + sz(p0) * W.panel_stride() : nullptr;
     // Balanced token tiles (sizes differ by at most one): each reads the group's panels once.
     auto for_tiles = [&](auto&& run) {
       for (int i = 0, t0 = 0; i < tiles; ++i) {
@@ -364,7 +450,7 @@ void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::si
     if (W.pair()) {
       const int c0 = g * kPanel;
       const int cols[2] = {std::min(kPanel, W.rows() - c0), kPanel};
-      for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+      for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, P8, in, t0, Y + c0, ldy, cols, op); });
       continue;
     }
     const int c0 = p0 * kPanel;
@@ -372,17 +458,17 @@ void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::si
     switch (std::min(GP, W.panels() - p0)) {
       case 3: {
         const int cols[3] = {kPanel, kPanel, cols_of(2)};
-        for_tiles([&](int mr, int t0) { tile_rows<3>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+        for_tiles([&](int mr, int t0) { tile_rows<3>(mr, W, P32, P16, P8, in, t0, Y + c0, ldy, cols, op); });
         break;
       }
       case 2: {
         const int cols[2] = {kPanel, cols_of(1)};
-        for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+        for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, P8, in, t0, Y + c0, ldy, cols, op); });
         break;
       }
       default: {
         const int cols[1] = {cols_of(0)};
-        for_tiles([&](int mr, int t0) { tile_rows<1>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op); });
+        for_tiles([&](int mr, int t0) { tile_rows<1>(mr, W, P32, P16, P8, in, t0, Y + c0, ldy, cols, op); });
       }
     }
   }

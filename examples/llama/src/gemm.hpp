@@ -7,6 +7,9 @@
 //  * f32:  [p][k][j]            float,  K × 16 per panel;
 //  * bf16: [p][k/2][j][k%2]     bf16,   ceil(K/2) × 32 per panel, K padded with 0 (one 512-bit
 //    load = 2 k × 16 columns; a shift and a mask widen them to float32).
+//  * int8: [p][k][j]            int8,   K × 16 per panel, plus one float scale per column
+//    (w ≈ q · scale, scale = max |w| / 127); widened to float32 in registers, the scale applied
+//    to the finished sums.
 // Rows beyond `rows` in the last panel are zero. A fused SwiGLU matrix interleaves the panels of w1
 // and w3 (panel 2p = w1 panel p, 2p + 1 = w3 panel p).
 #pragma once
@@ -16,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 namespace medusa_llama::detail {
 
@@ -39,6 +43,8 @@ class packed_matrix {
   //! Panels per unit of work: 3 for float32 (48 columns: 24 accumulators at 8 tokens), 2 for bf16
   //! (its widened weights need the registers) and for a SwiGLU pair (16 columns of gate and up).
   [[nodiscard]] int group_panels() const noexcept { return pair_ || fmt_ == weight_format::bf16 ? 2 : 3; }
+  //! Scale of each output column (int8 only; `panels() × 16` floats, 0 beyond `rows`).
+  [[nodiscard]] const float* scales() const noexcept { return scales_.data(); }
   //! Units of work for the threads: `group_panels()` panels each (the last one may have fewer).
   [[nodiscard]] int groups() const noexcept { return (panels_ + group_panels() - 1) / group_panels(); }
   //! Bytes of packed weights.
@@ -47,6 +53,7 @@ class packed_matrix {
   [[nodiscard]] std::size_t panel_stride() const noexcept { return panel_stride_; }
   [[nodiscard]] const float* f32() const noexcept { return static_cast<const float*>(static_cast<const void*>(data_.get())); }
   [[nodiscard]] const std::uint16_t* b16() const noexcept { return static_cast<const std::uint16_t*>(static_cast<const void*>(data_.get())); }
+  [[nodiscard]] const std::int8_t* i8() const noexcept { return static_cast<const std::int8_t*>(static_cast<const void*>(data_.get())); }
 
  private:
   struct free_aligned {
@@ -60,6 +67,7 @@ class packed_matrix {
   weight_format fmt_ = weight_format::f32;
   std::size_t panel_stride_ = 0, bytes_ = 0;
   std::unique_ptr<std::byte[], free_aligned> data_;
+  std::vector<float> scales_;  // int8: per output column
 };
 
 //! The activations of one GEMM: T float rows X[t*ldx + k] (float32 for both weight formats: bf16

@@ -42,9 +42,12 @@ enum class gemm_backend {
 //! Precision of the projection weights inside the engine (the `model` itself stays float32).
 enum class weight_format {
   f32,   //!< float32 weights and arithmetic (default; matches the reference outputs)
-  bf16,  //!< weights rounded once to bf16 at construction, activations rounded to bf16 per
-         //!< projection, float32 accumulation (AVX512-BF16 `vdpbf16ps`): half the weight bytes,
-         //!< twice the arithmetic rate; logits move by ~1e-2 (see docs/engine.md)
+  bf16,  //!< weights rounded once to bf16 at construction and widened in registers; float32
+         //!< activations and accumulation: half the weight bytes; logits move by ~1e-2
+         //!< (see docs/engine.md)
+  int8,  //!< symmetric int8 per output column (scale = max |w| / 127), widened in registers:
+         //!< a quarter of the bytes. For Medusa heads (`packed_heads`) only, whose precision
+         //!< changes which drafts are proposed, never the output; the engine rejects it.
 };
 
 //! Sizes and threading of an engine.
