@@ -5,7 +5,7 @@
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree PRESET|TEXT|FILE] [--policy greedy|typical|rejection] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
-//              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights bf16|int8|f32]
+//              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights int8|bf16|f32]
 //              [--threads N] [--json]
 #include <medusa/medusa.hpp>
 
@@ -44,7 +44,7 @@ struct run_args {
   int max_new_tokens = 256;
   int threads = 0;
   std::string weights = "f32";
-  std::string head_weights = "bf16";
+  std::string head_weights = "int8";
   bool json = false;
 };
 
@@ -176,7 +176,7 @@ int run(const run_args& a) {
   medusa_llama::engine engine(std::move(lm.weights), eo);
   medusa_llama::decoder_model model(engine);
   // The heads run on the engine's kernels and threads. Their precision only changes which drafts
-  // are proposed (the model verifies every one), so bf16 is the default.
+  // are proposed (the model verifies every one), so int8 is the default.
   std::optional<medusa_llama::packed_heads> heads;
   if (want_medusa) {
     const auto stack = head_w.kind() == medusa::projection_kind::per_head
@@ -282,7 +282,7 @@ int main(int argc, char** argv) {
   app.add_option("--weights", a.weights, "engine weight format: f32 | bf16 (half the bytes, f32 arithmetic)")
       ->capture_default_str();
   app.add_option("--head-weights", a.head_weights,
-                 "Medusa head weight format: bf16 | int8 | f32 (drafts only: the output does not depend on it)")
+                 "Medusa head weight format: int8 | bf16 | f32 (drafts only: the output does not depend on it)")
       ->capture_default_str();
   app.add_flag("--json", a.json, "print one JSON line per run instead of streaming text");
   return medusa_tools::run_tool(app, argc, argv, [&] { return run(a); });

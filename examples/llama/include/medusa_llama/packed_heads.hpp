@@ -4,8 +4,8 @@
 //! `medusa::decoder` that packs a `head_stack` once into the engine's panel layout.
 //!
 //! The heads only propose drafts, which the base model verifies, so their precision changes how
-//! many drafts are accepted, never the output. They are therefore packed in bf16 by default: half
-//! the bytes of float32 weights to stream per step, the same kernels as the model.
+//! many drafts are accepted, never the output. They are therefore packed in int8 by default (per
+//! output column scales): a quarter of the bytes of float32 weights to stream per step.
 //!
 //! @code
 //! medusa_llama::engine eng(std::move(m), opts);
@@ -34,7 +34,7 @@ class packed_heads {
   //! stack packs its lm_head view too. Throws `engine_error` (`bad_option`) when the stack's
   //! hidden or vocabulary size differs from the model's or `num_heads` exceeds the stack's, and
   //! `medusa::invalid_input` from the stack's own checks (e.g. an unset weight).
-  packed_heads(engine& eng, const medusa::head_stack<>& stack, weight_format format = weight_format::bf16,
+  packed_heads(engine& eng, const medusa::head_stack<>& stack, weight_format format = weight_format::int8,
                int num_heads = 0);
   packed_heads(packed_heads&&) noexcept;
   packed_heads& operator=(packed_heads&&) noexcept;
