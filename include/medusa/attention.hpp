@@ -150,6 +150,43 @@ inline float attn_hsum(__m512 v) noexcept {
 }
 #endif
 
+#if MEDUSA_ATTENTION_AVX512
+// dst[d * ld + k] = src[k][d0 + d] for k, d < 16: a 16 × 16 transpose in registers (unpack pairs,
+// then quads, then 128-bit lanes twice).
+inline void attn_transpose16(const float* const* src, int d0, float* dst, int ld) noexcept {
+  // Masked forms with an explicit source: the plain ones trip g++ 12's -Wmaybe-uninitialized.
+  constexpr auto kAll = static_cast<__mmask16>(0xFFFF);
+  constexpr auto kAll8 = static_cast<__mmask8>(0xFF);
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src[i] + d0);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_mask_unpacklo_ps(r[2 * i], kAll, r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_mask_unpackhi_ps(r[2 * i], kAll, r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_mask_unpacklo_pd(a, kAll8, a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_mask_unpackhi_pd(a, kAll8, a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_mask_unpacklo_pd(b, kAll8, b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_mask_unpackhi_pd(b, kAll8, b, d));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_mask_shuffle_f32x4(r[i], kAll, r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_mask_shuffle_f32x4(r[i], kAll, r[i], r[4 + i], 0xdd);
+    t[8 + i] = _mm512_mask_shuffle_f32x4(r[8 + i], kAll, r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_mask_shuffle_f32x4(r[8 + i], kAll, r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_mask_shuffle_f32x4(t[i], kAll, t[i], t[8 + i], 0x88);
+    r[4 + i] = _mm512_mask_shuffle_f32x4(t[4 + i], kAll, t[4 + i], t[12 + i], 0x88);
+    r[8 + i] = _mm512_mask_shuffle_f32x4(t[i], kAll, t[i], t[8 + i], 0xdd);
+    r[12 + i] = _mm512_mask_shuffle_f32x4(t[4 + i], kAll, t[4 + i], t[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + static_cast<std::size_t>(i) * static_cast<std::size_t>(ld), r[i]);
+}
+#endif
+
 // 2^x for x <= 0 (softmax weights); exact 0 below -126. Branch-free so the loops vectorise.
 inline float attn_exp2(float x) noexcept {
   // Clamped first so that no value (not even NaN) reaches the float -> int conversion out of range.
@@ -210,21 +247,31 @@ struct attn_task {
     const int rows = r1 - r0;
     const int rows_p = (rows + R - 1) / R * R;
     const auto Dz = static_cast<std::size_t>(D);
-    std::vector<float> buf(static_cast<std::size_t>(rows_p) * Dz * 2 + Dz * B * 2 + Dz + R * B);
-    float* Q = buf.data();
+    // Per-thread scratch, grown on demand and reused across calls: no allocation and no zero fill
+    // per task (every region is written before it is read).
+    const std::size_t need = static_cast<std::size_t>(rows_p) * (Dz * 2 + 2) + Dz * B * 2 + Dz + R * B;
+    thread_local std::vector<float> scratch;
+    thread_local std::vector<int> node_scratch;
+    if (scratch.size() < need) scratch.resize(need);
+    if (node_scratch.size() < static_cast<std::size_t>(rows_p)) node_scratch.resize(static_cast<std::size_t>(rows_p));
+    float* Q = scratch.data();
     float* O = Q + static_cast<std::size_t>(rows_p) * Dz;
     float* Kt = O + static_cast<std::size_t>(rows_p) * Dz;  // [D][B], transposed
     float* Vb = Kt + Dz * B;                                  // [B][D]
     float* tmp = Vb + Dz * B;                                 // [D]
     float* S = tmp + Dz;                                      // [R][B]
-    std::vector<float> m(static_cast<std::size_t>(rows_p), -std::numeric_limits<float>::infinity());
-    std::vector<float> l(static_cast<std::size_t>(rows_p), 0.0f);
-    std::vector<int> node(static_cast<std::size_t>(rows_p));
+    float* m = S + R * B;                                     // [rows_p] running max
+    float* l = m + rows_p;                                    // [rows_p] running sum
+    int* node = node_scratch.data();                          // [rows_p] tree node of each row
+    std::fill(O, O + static_cast<std::size_t>(rows_p) * Dz, 0.0f);
+    std::fill(m, m + rows_p, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + rows_p, 0.0f);
     const float* vrows[B] = {};  // V row of each key of the current block
+    const float* krows[B] = {};  // K row of each key (float caches)
 
     for (int r = 0; r < rows_p; ++r) {
       const int rr = std::min(r0 + r, r1 - 1);  // padded rows repeat the last real row
-      node[static_cast<std::size_t>(r)] = rr / G;
+      node[r] = rr / G;
       const float* src = q.data() + (static_cast<std::size_t>(rr / G) * static_cast<std::size_t>(hq) +
                                      static_cast<std::size_t>(g * G + rr % G)) * Dz;
       for (int d = 0; d < D; ++d) Q[static_cast<std::size_t>(r) * Dz + static_cast<std::size_t>(d)] = src[d] * qscale;
@@ -241,37 +288,44 @@ struct attn_task {
       bool any = !tree;
       if (tree)
         for (int rb = 0; rb < rows_p && !any; rb += R)
-          for (int r = rb; r < rb + R; ++r) any = any || (bits(node[static_cast<std::size_t>(r)], j0) & valid) != 0;
+          for (int r = rb; r < rb + R; ++r) any = any || (bits(node[r], j0) & valid) != 0;
       if (!any) continue;
       // Gather the block: K transposed for the QK micro-kernel (padding columns zero); V rows are
       // read in place from a float cache, converted into Vb otherwise.
-      for (int k = 0; k < B; ++k) {
-        if (k < cnt) {
-          const float* krow = tmp;
-          if constexpr (float_rows) {
-            krow = kv.k_row(layer, slot0 + k, g);
-            vrows[k] = kv.v_row(layer, slot0 + k, g);
-          } else {
-            float* vrow = Vb + static_cast<std::size_t>(k) * Dz;
-            attn_load_row(kv.k_row(layer, slot0 + k, g), tmp, D);
-            attn_load_row(kv.v_row(layer, slot0 + k, g), vrow, D);
-            vrows[k] = vrow;
-          }
-          for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = krow[d];
-        } else {
-          for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = 0.0f;
+      int k = 0;
+      if constexpr (float_rows) {
+        for (int j = 0; j < cnt; ++j) {
+          krows[j] = kv.k_row(layer, slot0 + j, g);
+          vrows[j] = kv.v_row(layer, slot0 + j, g);
+        }
+#if MEDUSA_ATTENTION_AVX512
+        if (D % 16 == 0)
+          for (; k + 16 <= cnt; k += 16)
+            for (int d0 = 0; d0 < D; d0 += 16) attn_transpose16(krows + k, d0, Kt + static_cast<std::size_t>(d0) * B + k, B);
+#endif
+        for (; k < cnt; ++k)
+          for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = krows[k][d];
+      } else {
+        for (; k < cnt; ++k) {
+          float* vrow = Vb + static_cast<std::size_t>(k) * Dz;
+          attn_load_row(kv.k_row(layer, slot0 + k, g), tmp, D);
+          attn_load_row(kv.v_row(layer, slot0 + k, g), vrow, D);
+          vrows[k] = vrow;
+          for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = tmp[d];
         }
       }
+      if (cnt < B)
+        for (int d = 0; d < D; ++d) std::fill(Kt + static_cast<std::size_t>(d) * B + cnt, Kt + static_cast<std::size_t>(d + 1) * B, 0.0f);
       for (int rb = 0; rb < rows_p; rb += R) {
         std::uint64_t vis[R];
         std::uint64_t any_row = 0;
         for (int r = 0; r < R; ++r) {
-          vis[r] = tree ? bits(node[static_cast<std::size_t>(rb + r)], j0) & valid : valid;
+          vis[r] = tree ? bits(node[rb + r], j0) & valid : valid;
           any_row |= vis[r];
         }
         if (any_row == 0) continue;
         qk(Q + static_cast<std::size_t>(rb) * Dz, Kt, S);
-        softmax_update(S, vis, m.data() + rb, l.data() + rb, O + static_cast<std::size_t>(rb) * Dz);
+        softmax_update(S, vis, m + rb, l + rb, O + static_cast<std::size_t>(rb) * Dz);
         pv(S, vrows, cnt, O + static_cast<std::size_t>(rb) * Dz);
       }
     }
@@ -279,7 +333,7 @@ struct attn_task {
       const int rr = r0 + r;
       float* dst = out.data() + (static_cast<std::size_t>(rr / G) * static_cast<std::size_t>(hq) +
                                  static_cast<std::size_t>(g * G + rr % G)) * Dz;
-      const float lr = l[static_cast<std::size_t>(r)];
+      const float lr = l[r];
       const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;  // a query that sees nothing gets 0
       const float* o = O + static_cast<std::size_t>(r) * Dz;
       for (int d = 0; d < D; ++d) dst[d] = o[d] * inv;
