@@ -169,7 +169,7 @@ void BM_tree_step(benchmark::State& state) {
   state.counters["tok_per_s"] = benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_tree_step)
-    ->ArgsProduct({{1, 4, 8, 16, 32, 64}, {static_cast<long>(gemm_backend::automatic)}, {0, 1}})
+    ->ArgsProduct({{1, 4, 6, 8, 16, 32, 64}, {static_cast<long>(gemm_backend::automatic)}, {0, 1}})
     ->ArgsProduct({{4, 16, 64}, {static_cast<long>(gemm_backend::blas)}, {0}})
     ->ArgNames({"N", "backend", "weights"})
     ->Unit(benchmark::kMillisecond)
