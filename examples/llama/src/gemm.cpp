@@ -153,10 +153,11 @@ inline void write_tile(__m512 (&acc)[MR][NB], float* Y, std::size_t ldy, const i
     }
 }
 
-// One micro-tile, float32 weights: MR tokens × NB panels, KS interleaved accumulator sets over k.
-template <int MR, int NB, int KS>
-void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, int K, float* Y, std::size_t ldy,
-              const int (&cols)[NB], epilogue op) {
+// The float32 accumulation of one micro-tile (MR tokens × NB panels, KS interleaved accumulator
+// sets over k) for any panel format whose row k of 16 columns widens to one __m512:
+// `load(b, k)` returns row k of panel b, `prefetch(b, k)` touches it a few cache lines ahead.
+template <int MR, int NB, int KS, class Load, class Prefetch>
+inline void accumulate_rows(Load&& load, Prefetch&& prefetch, const float* X, std::size_t ldx, int K, __m512 (&out)[MR][NB]) {
   __m512 acc[KS][MR][NB];
 #pragma GCC unroll 4
   for (int s = 0; s < KS; ++s)
@@ -174,11 +175,8 @@ void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, i
       __m512 w[NB];
 #pragma GCC unroll 3
       for (int b = 0; b < NB; ++b) {
-        const float* src = P + sz(b) * ps + sz(k + s) * kPanel;
-        // Past the panel's end this touches the next panel or the allocation's tail: prefetches
-        // never fault.
-        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch * kPanel), _MM_HINT_T0);
-        w[b] = _mm512_load_ps(src);
+        prefetch(b, k + s);
+        w[b] = load(b, k + s);
       }
 #pragma GCC unroll 8
       for (int t = 0; t < MR; ++t) {
@@ -191,7 +189,7 @@ void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, i
   for (; k < K; ++k) {
     __m512 w[NB];
 #pragma GCC unroll 3
-    for (int b = 0; b < NB; ++b) w[b] = _mm512_load_ps(P + sz(b) * ps + sz(k) * kPanel);
+    for (int b = 0; b < NB; ++b) w[b] = load(b, k);
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t) {
       const __m512 x = _mm512_set1_ps(xr[t][k]);
@@ -199,13 +197,30 @@ void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, i
       for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(w[b], x, acc[0][t][b]);
     }
   }
-#pragma GCC unroll 4
-  for (int s = 1; s < KS; ++s)
 #pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t)
+  for (int t = 0; t < MR; ++t)
 #pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_add_ps(acc[0][t][b], acc[s][t][b]);
-  write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
+    for (int b = 0; b < NB; ++b) {
+      __m512 v = acc[0][t][b];
+#pragma GCC unroll 4
+      for (int s = 1; s < KS; ++s) v = _mm512_add_ps(v, acc[s][t][b]);
+      out[t][b] = v;
+    }
+}
+
+// One micro-tile, float32 weights.
+template <int MR, int NB, int KS>
+void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, int K, float* Y, std::size_t ldy,
+              const int (&cols)[NB], epilogue op) {
+  __m512 acc[MR][NB];
+  // Past the panel's end the prefetch touches the next panel or the allocation's tail: prefetches
+  // never fault.
+  accumulate_rows<MR, NB, KS>([&](int b, int k) { return _mm512_load_ps(P + sz(b) * ps + sz(k) * kPanel); },
+                              [&](int b, int k) {
+                                _mm_prefetch(reinterpret_cast<const char*>(P + sz(b) * ps + sz(k + kPrefetch) * kPanel), _MM_HINT_T0);
+                              },
+                              X, ldx, K, acc);
+  write_tile<MR, NB>(acc, Y, ldy, cols, op);
 }
 
 // One micro-tile, bf16 weights, float32 activations and arithmetic. Each uint32 of a panel holds
@@ -286,64 +301,25 @@ void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size
 template <int MR, int NB, int KS>
 void tile_i8(const std::int8_t* P, std::size_t ps, const float* S, const float* X, std::size_t ldx, int K, float* Y,
              std::size_t ldy, const int (&cols)[NB], epilogue op) {
-  __m512 acc[KS][MR][NB];
-#pragma GCC unroll 4
-  for (int s = 0; s < KS; ++s)
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_setzero_ps();
-  const float* xr[MR];
-#pragma GCC unroll 8
-  for (int t = 0; t < MR; ++t) xr[t] = X + sz(t) * ldx;
   const __mmask16 all = 0xffff;  // masked forms: GCC 12's plain ones trip -Wmaybe-uninitialized
-  auto widen = [all](const std::int8_t* src) {
-    const __m512i v = _mm512_mask_cvtepi8_epi32(_mm512_setzero_si512(), all, _mm_load_si128(reinterpret_cast<const __m128i*>(src)));
-    return _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), all, v);
-  };
-  int k = 0;
-  for (; k + KS <= K; k += KS) {
-#pragma GCC unroll 4
-    for (int s = 0; s < KS; ++s) {
-      __m512 w[NB];
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) {
-        const std::int8_t* src = P + sz(b) * ps + sz(k + s) * kPanel;
-        _mm_prefetch(reinterpret_cast<const char*>(src + 4 * kPrefetch * kPanel), _MM_HINT_T0);
-        w[b] = widen(src);
-      }
-#pragma GCC unroll 8
-      for (int t = 0; t < MR; ++t) {
-        const __m512 x = _mm512_set1_ps(xr[t][k + s]);
-#pragma GCC unroll 3
-        for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_fmadd_ps(w[b], x, acc[s][t][b]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
-    __m512 w[NB];
-#pragma GCC unroll 3
-    for (int b = 0; b < NB; ++b) w[b] = widen(P + sz(b) * ps + sz(k) * kPanel);
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t) {
-      const __m512 x = _mm512_set1_ps(xr[t][k]);
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(w[b], x, acc[0][t][b]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int s = 1; s < KS; ++s)
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_add_ps(acc[0][t][b], acc[s][t][b]);
+  __m512 acc[MR][NB];
+  accumulate_rows<MR, NB, KS>(
+      [&](int b, int k) {
+        const auto* src = reinterpret_cast<const __m128i*>(P + sz(b) * ps + sz(k) * kPanel);
+        const __m512i v = _mm512_mask_cvtepi8_epi32(_mm512_setzero_si512(), all, _mm_load_si128(src));
+        return _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), all, v);
+      },
+      [&](int b, int k) {  // one cache line holds 4 k of a panel: prefetch as far ahead in bytes as float32
+        _mm_prefetch(reinterpret_cast<const char*>(P + sz(b) * ps + sz(k + 4 * kPrefetch) * kPanel), _MM_HINT_T0);
+      },
+      X, ldx, K, acc);
 #pragma GCC unroll 3
   for (int b = 0; b < NB; ++b) {
     const __m512 sc = _mm512_loadu_ps(S + sz(b) * kPanel);
 #pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t) acc[0][t][b] = _mm512_mul_ps(acc[0][t][b], sc);
+    for (int t = 0; t < MR; ++t) acc[t][b] = _mm512_mul_ps(acc[t][b], sc);
   }
-  write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
+  write_tile<MR, NB>(acc, Y, ldy, cols, op);
 }
 
 // k-split: one or two tokens leave too few independent accumulators to cover the FMA latency.
