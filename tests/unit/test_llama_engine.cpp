@@ -403,6 +403,9 @@ std::vector<float> rounded_int8(const std::vector<float>& v, int rows, int in) {
   return out;
 }
 
+// The int8 kernels' activations: each row quantized the same way as a weight row.
+std::vector<float> quantized_rows(const std::vector<float>& x, int T, int in) { return rounded_int8(x, T, in); }
+
 std::vector<float> rounded_bf16(const std::vector<float>& v) {
   std::vector<float> r(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) r[i] = detail::bf16_to_float(detail::bf16_round(v[i]));
@@ -455,14 +458,16 @@ TEST_CASE("packed kernels equal a naive GEMM for ragged shapes, every format and
           const detail::gemm_input gi{Xs.data(), static_cast<std::size_t>(ldx), T};
           detail::gemm_packed(P, gi, Y.data(), static_cast<std::size_t>(ldy), 0, split, op);
           detail::gemm_packed(P, gi, Y.data(), static_cast<std::size_t>(ldy), split, P.groups(), op);
-          // bf16 / int8: the reference takes the rounded weights (activations stay float32), so only the
+          // bf16 / int8: the reference takes the rounded weights (and, for int8, the quantized
+          // activation rows), so only the
           // summation order differs.
           auto rounded = [&](const std::vector<float>& w) {
             if (fmt == weight_format::bf16) return rounded_bf16(w);
             if (fmt == weight_format::int8) return rounded_int8(w, rows, in);
             return w;
           };
-          const auto ref = naive_gemm(rounded(W), rounded(W3), X, Y0, T, rows, in, op);
+          const auto Xr = fmt == weight_format::int8 ? quantized_rows(X, T, in) : X;
+          const auto ref = naive_gemm(rounded(W), rounded(W3), Xr, Y0, T, rows, in, op);
           double err = 0;
           bool gap_kept = true;
           for (int t = 0; t < T; ++t) {

@@ -110,7 +110,9 @@ TEST_CASE("packed heads equal the head_stack forward") {
               scale = std::max(scale, static_cast<double>(std::abs(want[i])));
             }
             CHECK(scale > 0.1);       // the check compares real values
-            CHECK(err <= 1e-4 * scale);  // only the summation order differs
+            // f32 / bf16: only the summation order differs. int8 also quantizes each activation
+            // row to 8 bits (the reference keeps float activations): < 1 % of the range here.
+            CHECK(err <= (fmt == weight_format::int8 ? 2e-2 : 1e-4) * scale);
           }
         }
 }

@@ -11,7 +11,9 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <new>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -39,9 +41,14 @@ void packed_matrix::free_aligned::operator()(std::byte* p) const noexcept { ::op
 
 void packed_matrix::allocate(int panels) {
   panels_ = panels;
-  panel_stride_ = fmt_ == weight_format::bf16 ? bf16_stride(in_) * kPanel : sz(in_) * kPanel;
+  panel_stride_ = fmt_ == weight_format::bf16   ? bf16_stride(in_) * kPanel
+                  : fmt_ == weight_format::int8 ? int8_stride(in_) * kPanel
+                                                : sz(in_) * kPanel;
   const std::size_t elem = fmt_ == weight_format::f32 ? sizeof(float) : fmt_ == weight_format::bf16 ? sizeof(std::uint16_t) : 1;
-  if (fmt_ == weight_format::int8) scales_.assign(sz(panels) * kPanel, 0.0f);
+  if (fmt_ == weight_format::int8) {
+    scales_.assign(sz(panels) * kPanel, 0.0f);
+    colsums_.assign(sz(panels) * kPanel, 0);
+  }
   bytes_ = sz(panels) * panel_stride_ * elem;
   data_.reset(new (std::align_val_t{64}) std::byte[std::max<std::size_t>(bytes_, 64)]);
   std::memset(data_.get(), 0, bytes_);
@@ -64,8 +71,13 @@ void packed_matrix::pack_panel(int dst_panel, const float* W, int first_row, int
       for (std::size_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(w[k]));
       const float scale = amax > 0.0f ? amax / 127.0f : 0.0f;
       scales_[sz(dst_panel) * kPanel + sz(j)] = scale;
-      for (std::size_t k = 0; k < K; ++k)
-        P[k * kPanel + sz(j)] = static_cast<std::int8_t>(scale > 0.0f ? std::clamp(std::nearbyint(w[k] / scale), -127.0f, 127.0f) : 0.0f);
+      std::int32_t sum = 0;
+      for (std::size_t k = 0; k < K; ++k) {
+        const auto q = static_cast<std::int8_t>(scale > 0.0f ? std::clamp(std::nearbyint(w[k] / scale), -127.0f, 127.0f) : 0.0f);
+        P[(k / 4) * 4 * kPanel + sz(j) * 4 + k % 4] = q;
+        sum += q;
+      }
+      colsums_[sz(dst_panel) * kPanel + sz(j)] = 128 * sum;
     }
   } else {
     std::uint16_t* P = static_cast<std::uint16_t*>(static_cast<void*>(data_.get())) + sz(dst_panel) * panel_stride_;
@@ -296,31 +308,70 @@ void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size
   write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
 }
 
-// One micro-tile, int8 weights: each k loads 16 bytes per panel, widens them to float32 (sign
-// extension and conversion), FMAs as float32, and scales the finished sums per column.
+#if defined(__AVX512VNNI__)
+// One int8 micro-tile: per 4 k, one 64-byte load per panel (4 k × 16 columns) and one vpdpbusd
+// per token with its 4 activation bytes broadcast; int32 sums, then the column-sum offset
+// removed and the two scales applied.
 template <int MR, int NB, int KS>
-void tile_i8(const std::int8_t* P, std::size_t ps, const float* S, const float* X, std::size_t ldx, int K, float* Y,
-             std::size_t ldy, const int (&cols)[NB], epilogue op) {
-  const __mmask16 all = 0xffff;  // masked forms: GCC 12's plain ones trip -Wmaybe-uninitialized
-  __m512 acc[MR][NB];
-  accumulate_rows<MR, NB, KS>(
-      [&](int b, int k) {
-        const auto* src = reinterpret_cast<const __m128i*>(P + sz(b) * ps + sz(k) * kPanel);
-        const __m512i v = _mm512_mask_cvtepi8_epi32(_mm512_setzero_si512(), all, _mm_load_si128(src));
-        return _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), all, v);
-      },
-      [&](int b, int k) {  // one cache line holds 4 k of a panel: prefetch as far ahead in bytes as float32
-        _mm_prefetch(reinterpret_cast<const char*>(P + sz(b) * ps + sz(k + 4 * kPrefetch) * kPanel), _MM_HINT_T0);
-      },
-      X, ldx, K, acc);
+void tile_i8(const std::int8_t* P, std::size_t ps, const float* S, const std::int32_t* C, const std::uint8_t* XQ,
+             std::size_t ldq, const float* sx, float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
+  __m512i acc[KS][MR][NB];
+#pragma GCC unroll 4
+  for (int s = 0; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t)
+#pragma GCC unroll 3
+      for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_setzero_si512();
+  const int KQ = static_cast<int>(ldq / 4);
+  auto quad = [&](int t, int kq) {
+    std::int32_t v;
+    std::memcpy(&v, XQ + sz(t) * ldq + sz(kq) * 4, sizeof v);
+    return _mm512_set1_epi32(v);
+  };
+  int kq = 0;
+  for (; kq + KS <= KQ; kq += KS) {
+#pragma GCC unroll 4
+    for (int s = 0; s < KS; ++s) {
+      __m512i w[NB];
+#pragma GCC unroll 3
+      for (int b = 0; b < NB; ++b) {
+        const std::int8_t* src = P + sz(b) * ps + sz(kq + s) * 4 * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch * 4 * kPanel), _MM_HINT_T0);
+        w[b] = _mm512_load_si512(src);
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < MR; ++t) {
+        const __m512i x = quad(t, kq + s);
+#pragma GCC unroll 3
+        for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_dpbusd_epi32(acc[s][t][b], x, w[b]);
+      }
+    }
+  }
+  for (; kq < KQ; ++kq) {
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t) {
+      const __m512i x = quad(t, kq);
+#pragma GCC unroll 3
+      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_dpbusd_epi32(acc[0][t][b], x, _mm512_load_si512(P + sz(b) * ps + sz(kq) * 4 * kPanel));
+    }
+  }
+  __m512 out[MR][NB];
 #pragma GCC unroll 3
   for (int b = 0; b < NB; ++b) {
     const __m512 sc = _mm512_loadu_ps(S + sz(b) * kPanel);
+    const __m512i cs = _mm512_loadu_si512(C + sz(b) * kPanel);
 #pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t) acc[t][b] = _mm512_mul_ps(acc[t][b], sc);
+    for (int t = 0; t < MR; ++t) {
+      __m512i v = acc[0][t][b];
+#pragma GCC unroll 4
+      for (int s = 1; s < KS; ++s) v = _mm512_add_epi32(v, acc[s][t][b]);
+      const __m512 f = _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), static_cast<__mmask16>(0xffff), _mm512_sub_epi32(v, cs));
+      out[t][b] = _mm512_mul_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(sx[t])));
+    }
   }
-  write_tile<MR, NB>(acc, Y, ldy, cols, op);
+  write_tile<MR, NB>(out, Y, ldy, cols, op);
 }
+#endif
 
 // k-split: one or two tokens leave too few independent accumulators to cover the FMA latency.
 template <int MR>
@@ -329,16 +380,10 @@ constexpr int ksplit() {
 }
 
 template <int NB, int MR>
-void tile(const packed_matrix& W, const float* P32, const std::uint16_t* P16, const std::int8_t* P8, const gemm_input& in,
-          int t0, float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
+void tile(const packed_matrix& W, const float* P32, const std::uint16_t* P16, const gemm_input& in, int t0, float* Y,
+          std::size_t ldy, const int (&cols)[NB], epilogue op) {
   float* y = Y + sz(t0) * ldy;
-  if (W.format() == weight_format::int8) {
-    const std::size_t p0 = sz(P8 - W.i8()) / W.panel_stride();
-    tile_i8<MR, NB, ksplit<MR>()>(P8, W.panel_stride(), W.scales() + p0 * kPanel, in.x + sz(t0) * in.ldx, in.ldx, W.in(), y,
-                                  ldy, cols, op);
-    return;
-  }
-  if constexpr (NB == 3) {  // float32 and int8 groups have 3 panels (packed_matrix::group_panels)
+  if constexpr (NB == 3) {  // only float32 groups of these have 3 panels (packed_matrix::group_panels)
     (void)P16;
     tile_f32<MR, NB, ksplit<MR>()>(P32, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
   } else if (W.format() == weight_format::bf16) {
@@ -349,39 +394,101 @@ void tile(const packed_matrix& W, const float* P32, const std::uint16_t* P16, co
 }
 
 template <int NB>
-void tile_rows(int mr, const packed_matrix& W, const float* P32, const std::uint16_t* P16, const std::int8_t* P8,
-               const gemm_input& in, int t0, float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
+void tile_rows(int mr, const packed_matrix& W, const float* P32, const std::uint16_t* P16, const gemm_input& in, int t0,
+               float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
   switch (mr) {
-    case 1: tile<NB, 1>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
-    case 2: tile<NB, 2>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
-    case 3: tile<NB, 3>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
-    case 4: tile<NB, 4>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
-    case 5: tile<NB, 5>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
-    case 6: tile<NB, 6>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
-    case 7: tile<NB, 7>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
-    default: tile<NB, 8>(W, P32, P16, P8, in, t0, Y, ldy, cols, op); break;
+    case 1: tile<NB, 1>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 2: tile<NB, 2>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 3: tile<NB, 3>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 4: tile<NB, 4>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 5: tile<NB, 5>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 6: tile<NB, 6>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    case 7: tile<NB, 7>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
+    default: tile<NB, 8>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
   }
 }
+
+#if defined(__AVX512VNNI__)
+template <int NB>
+void tile_rows_i8(int mr, const std::int8_t* P, std::size_t ps, const float* S, const std::int32_t* C, const std::uint8_t* XQ,
+                  std::size_t ldq, const float* sx, float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
+  switch (mr) {
+    case 1: tile_i8<1, NB, 4>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
+    case 2: tile_i8<2, NB, 2>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
+    case 3: tile_i8<3, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
+    case 4: tile_i8<4, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
+    case 5: tile_i8<5, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
+    case 6: tile_i8<6, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
+    case 7: tile_i8<7, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
+    default: tile_i8<8, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
+  }
+}
+#endif
 
 }  // namespace
 #endif  // __AVX512F__
 
 namespace {
 
-// Portable kernel (no AVX-512): the same arithmetic, column by column.
-[[maybe_unused]] void group_scalar(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g, epilogue op) {
+// The activation rows of an int8 GEMM, quantized like the weights: q + 128 as unsigned bytes
+// (`int8_stride(K)` per row, padding 128 = zero) and one scale per row. A row with a non-finite
+// value gets a NaN scale, so its outputs are NaN rather than garbage.
+struct quantized_rows {
+  const std::uint8_t* q;
+  std::size_t ld;
+  const float* scale;
+};
+
+quantized_rows quantize_rows(const gemm_input& in, int K) {
+  thread_local std::vector<std::uint8_t> q;
+  thread_local std::vector<float> scale;
+  const std::size_t ld = int8_stride(K);
+  q.assign(sz(in.T) * ld, 128);
+  scale.assign(sz(in.T), 0.0f);
+  for (int t = 0; t < in.T; ++t) {
+    const float* x = in.x + sz(t) * in.ldx;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int k = 0; k < K; ++k) {
+      finite = finite && std::isfinite(x[k]);
+      amax = std::max(amax, std::abs(x[k]));
+    }
+    if (!finite) {
+      scale[sz(t)] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const float s = amax / 127.0f;
+    scale[sz(t)] = s;
+    if (s == 0.0f) continue;
+    std::uint8_t* row = q.data() + sz(t) * ld;
+    for (int k = 0; k < K; ++k) row[k] = static_cast<std::uint8_t>(std::clamp(std::nearbyint(x[k] / s), -127.0f, 127.0f) + 128.0f);
+  }
+  return {q.data(), ld, scale.data()};
+}
+
+// Column (p, j) of an int8 matrix against quantized row t: the exact integer dot product, scaled.
+float int8_column(const packed_matrix& W, const quantized_rows& xq, int p, int j, int t) {
+  const std::int8_t* P = W.i8() + sz(p) * W.panel_stride();
+  const std::uint8_t* x = xq.q + sz(t) * xq.ld;
+  std::int32_t acc = 0;
+  for (std::size_t k = 0; k < xq.ld; ++k) acc += (static_cast<std::int32_t>(x[k]) - 128) * P[(k / 4) * 4 * kPanel + sz(j) * 4 + k % 4];
+  return static_cast<float>(acc) * (xq.scale[sz(t)] * W.scales()[sz(p) * kPanel + sz(j)]);
+}
+
+// Portable kernel (no AVX-512, or int8 without AVX512-VNNI): the same arithmetic, column by column.
+[[maybe_unused]] void group_scalar(const packed_matrix& W, const gemm_input& in, const quantized_rows* xq, float* Y,
+                                   std::size_t ldy, int g, epilogue op) {
   const int K = W.in();
   const int p0 = W.group_panels() * g, np = std::min(W.group_panels(), W.panels() - p0);
   auto weight = [&](int p, int j, int k) {
     if (W.format() == weight_format::f32) return W.f32()[sz(p) * W.panel_stride() + sz(k) * kPanel + sz(j)];
-    if (W.format() == weight_format::int8)
-      return static_cast<float>(W.i8()[sz(p) * W.panel_stride() + sz(k) * kPanel + sz(j)]) * W.scales()[sz(p) * kPanel + sz(j)];
     return bf16_to_float(W.b16()[sz(p) * W.panel_stride() + sz(k / 2) * 2 * kPanel + sz(j) * 2 + sz(k % 2)]);
   };
   auto act = [&](int t, int k) {
     return in.x[sz(t) * in.ldx + sz(k)];
   };
   auto column = [&](int p, int j, int t) {
+    if (xq != nullptr) return int8_column(W, *xq, p, j, t);
     float s = 0.0f;
     for (int k = 0; k < K; ++k) s += weight(p, j, k) * act(t, k);
     return s;
@@ -406,7 +513,16 @@ namespace {
 }  // namespace
 
 void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op) {
+  const bool i8 = W.format() == weight_format::int8;
+  quantized_rows xq{};
+  if (i8) xq = quantize_rows(in, W.in());
 #if defined(__AVX512F__)
+#if !defined(__AVX512VNNI__)
+  if (i8) {  // int8 needs vpdpbusd; without it, the portable kernel (same results)
+    for (int g = g0; g < g1; ++g) group_scalar(W, in, &xq, Y, ldy, g, op);
+    return;
+  }
+#endif
   const int T = in.T;
   const int tiles = (T + kMaxMR - 1) / kMaxMR;
   const int GP = W.group_panels();
@@ -414,19 +530,27 @@ void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::si
     const int p0 = GP * g;
     const float* P32 = W.format() == weight_format::f32 ? W.f32() + sz(p0) * W.panel_stride() : nullptr;
     const std::uint16_t* P16 = W.format() == weight_format::bf16 ? W.b16() + sz(p0) * W.panel_stride() : nullptr;
-    const std::int8_t* P8 = W.format() == weight_format::int8 ? W.i8() + sz(p0) * W.panel_stride() : nullptr;
     // Balanced token tiles (sizes differ by at most one): each reads the group's panels once.
-    auto for_tiles = [&](auto&& run) {
+    auto run = [&]<int NB>(const int (&cols)[NB], int c0) {
       for (int i = 0, t0 = 0; i < tiles; ++i) {
         const int mr = (T - t0) / (tiles - i);
-        run(mr, t0);
+#if defined(__AVX512VNNI__)
+        if (i8) {
+          tile_rows_i8<NB>(mr, W.i8() + sz(p0) * W.panel_stride(), W.panel_stride(), W.scales() + sz(p0) * kPanel,
+                           W.colsums() + sz(p0) * kPanel, xq.q + sz(t0) * xq.ld, xq.ld, xq.scale + t0, Y + c0 + sz(t0) * ldy,
+                           ldy, cols, op);
+        } else
+#endif
+        {
+          tile_rows<NB>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op);
+        }
         t0 += mr;
       }
     };
     if (W.pair()) {
       const int c0 = g * kPanel;
       const int cols[2] = {std::min(kPanel, W.rows() - c0), kPanel};
-      for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, P8, in, t0, Y + c0, ldy, cols, op); });
+      run(cols, c0);
       continue;
     }
     const int c0 = p0 * kPanel;
@@ -434,22 +558,22 @@ void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::si
     switch (std::min(GP, W.panels() - p0)) {
       case 3: {
         const int cols[3] = {kPanel, kPanel, cols_of(2)};
-        for_tiles([&](int mr, int t0) { tile_rows<3>(mr, W, P32, P16, P8, in, t0, Y + c0, ldy, cols, op); });
+        run(cols, c0);
         break;
       }
       case 2: {
         const int cols[2] = {kPanel, cols_of(1)};
-        for_tiles([&](int mr, int t0) { tile_rows<2>(mr, W, P32, P16, P8, in, t0, Y + c0, ldy, cols, op); });
+        run(cols, c0);
         break;
       }
       default: {
         const int cols[1] = {cols_of(0)};
-        for_tiles([&](int mr, int t0) { tile_rows<1>(mr, W, P32, P16, P8, in, t0, Y + c0, ldy, cols, op); });
+        run(cols, c0);
       }
     }
   }
 #else
-  for (int g = g0; g < g1; ++g) group_scalar(W, in, Y, ldy, g, op);
+  for (int g = g0; g < g1; ++g) group_scalar(W, in, i8 ? &xq : nullptr, Y, ldy, g, op);
 #endif
 }
 

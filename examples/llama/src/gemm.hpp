@@ -7,9 +7,11 @@
 //  * f32:  [p][k][j]            float,  K × 16 per panel;
 //  * bf16: [p][k/2][j][k%2]     bf16,   ceil(K/2) × 32 per panel, K padded with 0 (one 512-bit
 //    load = 2 k × 16 columns; a shift and a mask widen them to float32).
-//  * int8: [p][k][j]            int8,   K × 16 per panel, plus one float scale per column
-//    (w ≈ q · scale, scale = max |w| / 127); widened to float32 in registers, the scale applied
-//    to the finished sums.
+//  * int8: [p][k/4][j][k%4]     int8,   ceil(K/4) × 64 bytes per panel, K padded with 0, plus per
+//    column a float scale (w ≈ q · scale, scale = max |w| / 127) and 128 · Σ_k q. The activations
+//    of each row are quantized the same way (x ≈ q_x · s_x) and the products summed exactly in
+//    int32 (AVX512-VNNI `vpdpbusd`: 4 k × 16 columns per instruction, activations offset by 128
+//    to unsigned, the offset removed with the column sums).
 // Rows beyond `rows` in the last panel are zero. A fused SwiGLU matrix interleaves the panels of w1
 // and w3 (panel 2p = w1 panel p, 2p + 1 = w3 panel p).
 #pragma once
@@ -45,6 +47,8 @@ class packed_matrix {
   [[nodiscard]] int group_panels() const noexcept { return pair_ || fmt_ == weight_format::bf16 ? 2 : 3; }
   //! Scale of each output column (int8 only; `panels() × 16` floats, 0 beyond `rows`).
   [[nodiscard]] const float* scales() const noexcept { return scales_.data(); }
+  //! 128 · Σ_k q of each output column (int8 only).
+  [[nodiscard]] const std::int32_t* colsums() const noexcept { return colsums_.data(); }
   //! Units of work for the threads: `group_panels()` panels each (the last one may have fewer).
   [[nodiscard]] int groups() const noexcept { return (panels_ + group_panels() - 1) / group_panels(); }
   //! Bytes of packed weights.
@@ -67,7 +71,8 @@ class packed_matrix {
   weight_format fmt_ = weight_format::f32;
   std::size_t panel_stride_ = 0, bytes_ = 0;
   std::unique_ptr<std::byte[], free_aligned> data_;
-  std::vector<float> scales_;  // int8: per output column
+  std::vector<float> scales_;         // int8: per output column
+  std::vector<std::int32_t> colsums_;  // int8: 128 · Σ_k q per output column
 };
 
 //! The activations of one GEMM: T float rows X[t*ldx + k] (float32 for both weight formats: bf16
@@ -80,6 +85,8 @@ struct gemm_input {
 
 //! bf16 elements per packed panel row pair count: `in` rounded up to even.
 [[nodiscard]] inline std::size_t bf16_stride(int in) noexcept { return static_cast<std::size_t>((in + 1) / 2 * 2); }
+//! int8 reduction length: `in` rounded up to a multiple of 4.
+[[nodiscard]] inline std::size_t int8_stride(int in) noexcept { return static_cast<std::size_t>((in + 3) / 4 * 4); }
 
 //! Y[t*ldy + c] (op)= Σ_k X[t][k] · W[c][k] for t < T and the columns of groups [g0, g1) of W
 //! (with `epilogue::swiglu` W must be a pair and Y gets silu(gate) · up for its `rows` columns).

@@ -45,9 +45,10 @@ enum class weight_format {
   bf16,  //!< weights rounded once to bf16 at construction and widened in registers; float32
          //!< activations and accumulation: half the weight bytes; logits move by ~1e-2
          //!< (see docs/engine.md)
-  int8,  //!< symmetric int8 per output column (scale = max |w| / 127), widened in registers:
-         //!< a quarter of the bytes. For Medusa heads (`packed_heads`) only, whose precision
-         //!< changes which drafts are proposed, never the output; the engine rejects it.
+  int8,  //!< symmetric int8 per output column (scale = max |w| / 127), activations quantized
+         //!< per row the same way, exact int32 dot products (AVX512-VNNI; a portable path
+         //!< elsewhere): a quarter of the bytes. For Medusa heads (`packed_heads`) only, whose
+         //!< precision changes which drafts are proposed, never the output; the engine rejects it.
 };
 
 //! Sizes and threading of an engine.

@@ -5,7 +5,8 @@
 //!
 //! The heads only propose drafts, which the base model verifies, so their precision changes how
 //! many drafts are accepted, never the output. They are therefore packed in int8 by default (per
-//! output column scales): a quarter of the bytes of float32 weights to stream per step.
+//! output column scales, 8-bit activations, int32 sums): a quarter of the bytes of float32
+//! weights to stream per step.
 //!
 //! @code
 //! medusa_llama::engine eng(std::move(m), opts);
