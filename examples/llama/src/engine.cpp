@@ -9,6 +9,7 @@
 #include "kernels.hpp"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -177,18 +178,11 @@ struct engine::impl {
       return;
     }
     const detail::gemm_input gi{X, sz(in), T};
-    int total = 0;
-    for (const auto& j : jobs) total += j.W->groups();
-    const int n = std::max(1, std::min(total, pool.size() == 1 ? 1 : 4 * pool.size()));
-    pool.run(n, [&](int chunk, int) {
-      const int a = total * chunk / n, b = total * (chunk + 1) / n;
-      int base = 0;
-      for (const auto& j : jobs) {
-        const int g0 = std::max(a - base, 0), g1 = std::min(b - base, j.W->groups());
-        if (g0 < g1) detail::gemm_packed(*j.W, gi, j.Y, sz(j.ldy), g0, g1, j.op);
-        base += j.W->groups();
-      }
-    });
+    detail::gemm_job packed[3];  // the callers pass Q/K/V at most
+    assert(jobs.size() <= std::size(packed));
+    std::size_t n = 0;
+    for (const auto& j : jobs) packed[n++] = {j.W, gi, j.Y, sz(j.ldy), j.op};
+    detail::run_gemm_jobs(pool, std::span(packed, n));
   }
 
   // The OpenBLAS path (gemm_backend::blas / automatic above blas_min_batch), on the model's own

@@ -7,6 +7,8 @@
 // FMAs take as long as the loads, and the hardware prefetcher alone leaves the stream stalling.
 #include "gemm.hpp"
 
+#include <medusa_llama/thread_pool.hpp>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -575,6 +577,21 @@ void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::si
 #else
   for (int g = g0; g < g1; ++g) group_scalar(W, in, i8 ? &xq : nullptr, Y, ldy, g, op);
 #endif
+}
+
+void run_gemm_jobs(thread_pool& pool, std::span<const gemm_job> jobs) {
+  int total = 0;
+  for (const auto& j : jobs) total += j.W->groups();
+  const int n = std::max(1, std::min(total, pool.size() == 1 ? 1 : 4 * pool.size()));
+  pool.run(n, [&](int chunk, int) {
+    const int a = total * chunk / n, b = total * (chunk + 1) / n;
+    int base = 0;
+    for (const auto& j : jobs) {
+      const int g0 = std::max(a - base, 0), g1 = std::min(b - base, j.W->groups());
+      if (g0 < g1) gemm_packed(*j.W, j.in, j.Y, j.ldy, g0, g1, j.op);
+      base += j.W->groups();
+    }
+  });
 }
 
 }  // namespace medusa_llama::detail

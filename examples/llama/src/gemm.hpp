@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 namespace medusa_llama::detail {
@@ -91,6 +92,19 @@ struct gemm_input {
 //! Y[t*ldy + c] (op)= Σ_k X[t][k] · W[c][k] for t < T and the columns of groups [g0, g1) of W
 //! (with `epilogue::swiglu` W must be a pair and Y gets silu(gate) · up for its `rows` columns).
 void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
+
+//! One GEMM of a fork-join: all column groups of `W` against `in`, into Y (rows `ldy` apart).
+struct gemm_job {
+  const packed_matrix* W;
+  gemm_input in;
+  float* Y;
+  std::size_t ldy;
+  epilogue op;
+};
+
+//! Runs `jobs` in one fork-join on `pool`: their column groups, concatenated, are cut into about
+//! 4 chunks per thread (so a thread the OS has not scheduled delays little).
+void run_gemm_jobs(thread_pool& pool, std::span<const gemm_job> jobs);
 
 //! Scalar reference of one bf16 rounding (nearest even; NaN kept quiet).
 [[nodiscard]] std::uint16_t bf16_round(float f) noexcept;

@@ -18,16 +18,6 @@ namespace medusa_llama {
 namespace {
 std::size_t sz(int v) { return static_cast<std::size_t>(v); }
 
-// One GEMM of a stage: Y[t][c] = Σ_k X[t][k] · W[c][k] for T rows.
-struct head_job {
-  const detail::packed_matrix* W;
-  const float* X;
-  std::size_t ldx;
-  int T;
-  float* Y;
-  std::size_t ldy;
-};
-
 // The weights of `w` (`n` elements, any dtype) as float32.
 std::vector<float> to_float(medusa::weight_ptr w, std::size_t n) {
   std::vector<float> out(n);
@@ -45,22 +35,9 @@ struct packed_heads::impl {
   std::vector<float> bias;                   // [k·L + l][d]
   std::vector<detail::packed_matrix> proj;   // K per-head projections, or one shared lm_head
   std::vector<float> x, t;                   // [K][d]: residual stream and linear outputs
-  std::vector<head_job> jobs;                // one stage's GEMMs (kept: no allocation per step)
+  std::vector<detail::gemm_job> jobs;        // one stage's GEMMs (kept: no allocation per step)
 
-  void run(std::span<const head_job> jobs) {
-    int total = 0;
-    for (const auto& j : jobs) total += j.W->groups();
-    const int n = std::max(1, std::min(total, pool->size() == 1 ? 1 : 4 * pool->size()));
-    pool->run(n, [&](int chunk, int) {
-      const int a = total * chunk / n, b = total * (chunk + 1) / n;
-      int base = 0;
-      for (const auto& j : jobs) {
-        const int g0 = std::max(a - base, 0), g1 = std::min(b - base, j.W->groups());
-        if (g0 < g1) detail::gemm_packed(*j.W, detail::gemm_input{j.X, j.ldx, j.T}, j.Y, j.ldy, g0, g1, detail::epilogue::store);
-        base += j.W->groups();
-      }
-    });
-  }
+  void run(std::span<const detail::gemm_job> stage) { detail::run_gemm_jobs(*pool, stage); }
 
   // x_k = x_k + SiLU(t_k + b_{k,l}) for every head (x_k = h at layer 0).
   void residual(const float* h, int l) {
@@ -137,13 +114,13 @@ void packed_heads::forward(std::span<const float> hidden, std::span<float> logit
   const float* h = hidden.data();
   auto& jobs = s.jobs;
   if (s.L > 0) {
-    const head_job j0{&s.first, h, d, 1, s.t.data(), K * d};  // one row of K·d outputs
+    const detail::gemm_job j0{&s.first, {h, d, 1}, s.t.data(), K * d, detail::epilogue::store};  // one row of K·d outputs
     s.run(std::span(&j0, 1));
     s.residual(h, 0);
     for (int l = 1; l < s.L; ++l) {
       jobs.clear();
       for (std::size_t k = 0; k < K; ++k)
-        jobs.push_back({&s.later[k * sz(s.L - 1) + sz(l - 1)], s.x.data() + k * d, d, 1, s.t.data() + k * d, d});
+        jobs.push_back({&s.later[k * sz(s.L - 1) + sz(l - 1)], {s.x.data() + k * d, d, 1}, s.t.data() + k * d, d, detail::epilogue::store});
       s.run(jobs);
       s.residual(h, l);
     }
@@ -152,9 +129,9 @@ void packed_heads::forward(std::span<const float> hidden, std::span<float> logit
   }
   jobs.clear();
   if (s.shared) {
-    jobs.push_back({&s.proj[0], s.x.data(), d, s.K, logits.data(), V});  // K rows through lm_head
+    jobs.push_back({&s.proj[0], {s.x.data(), d, s.K}, logits.data(), V, detail::epilogue::store});  // K rows through lm_head
   } else {
-    for (std::size_t k = 0; k < K; ++k) jobs.push_back({&s.proj[k], s.x.data() + k * d, d, 1, logits.data() + k * V, V});
+    for (std::size_t k = 0; k < K; ++k) jobs.push_back({&s.proj[k], {s.x.data() + k * d, d, 1}, logits.data() + k * V, V, detail::epilogue::store});
   }
   s.run(jobs);
 }
