@@ -167,11 +167,10 @@ inline void write_tile(__m512 (&acc)[MR][NB], float* Y, std::size_t ldy, const i
     }
 }
 
-// The float32 accumulation of one micro-tile (MR tokens × NB panels, KS interleaved accumulator
-// sets over k) for any panel format whose row k of 16 columns widens to one __m512:
-// `load(b, k)` returns row k of panel b, `prefetch(b, k)` touches it a few cache lines ahead.
-template <int MR, int NB, int KS, class Load, class Prefetch>
-inline void accumulate_rows(Load&& load, Prefetch&& prefetch, const float* X, std::size_t ldx, int K, __m512 (&out)[MR][NB]) {
+// One micro-tile, float32 weights: MR tokens × NB panels, KS interleaved accumulator sets over k.
+template <int MR, int NB, int KS>
+void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, int K, float* Y, std::size_t ldy,
+              const int (&cols)[NB], epilogue op) {
   __m512 acc[KS][MR][NB];
 #pragma GCC unroll 4
   for (int s = 0; s < KS; ++s)
@@ -189,8 +188,11 @@ inline void accumulate_rows(Load&& load, Prefetch&& prefetch, const float* X, st
       __m512 w[NB];
 #pragma GCC unroll 3
       for (int b = 0; b < NB; ++b) {
-        prefetch(b, k + s);
-        w[b] = load(b, k + s);
+        const float* src = P + sz(b) * ps + sz(k + s) * kPanel;
+        // Past the panel's end this touches the next panel or the allocation's tail: prefetches
+        // never fault.
+        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch * kPanel), _MM_HINT_T0);
+        w[b] = _mm512_load_ps(src);
       }
 #pragma GCC unroll 8
       for (int t = 0; t < MR; ++t) {
@@ -203,7 +205,7 @@ inline void accumulate_rows(Load&& load, Prefetch&& prefetch, const float* X, st
   for (; k < K; ++k) {
     __m512 w[NB];
 #pragma GCC unroll 3
-    for (int b = 0; b < NB; ++b) w[b] = load(b, k);
+    for (int b = 0; b < NB; ++b) w[b] = _mm512_load_ps(P + sz(b) * ps + sz(k) * kPanel);
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t) {
       const __m512 x = _mm512_set1_ps(xr[t][k]);
@@ -211,30 +213,13 @@ inline void accumulate_rows(Load&& load, Prefetch&& prefetch, const float* X, st
       for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(w[b], x, acc[0][t][b]);
     }
   }
-#pragma GCC unroll 8
-  for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 3
-    for (int b = 0; b < NB; ++b) {
-      __m512 v = acc[0][t][b];
 #pragma GCC unroll 4
-      for (int s = 1; s < KS; ++s) v = _mm512_add_ps(v, acc[s][t][b]);
-      out[t][b] = v;
-    }
-}
-
-// One micro-tile, float32 weights.
-template <int MR, int NB, int KS>
-void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, int K, float* Y, std::size_t ldy,
-              const int (&cols)[NB], epilogue op) {
-  __m512 acc[MR][NB];
-  // Past the panel's end the prefetch touches the next panel or the allocation's tail: prefetches
-  // never fault.
-  accumulate_rows<MR, NB, KS>([&](int b, int k) { return _mm512_load_ps(P + sz(b) * ps + sz(k) * kPanel); },
-                              [&](int b, int k) {
-                                _mm_prefetch(reinterpret_cast<const char*>(P + sz(b) * ps + sz(k + kPrefetch) * kPanel), _MM_HINT_T0);
-                              },
-                              X, ldx, K, acc);
-  write_tile<MR, NB>(acc, Y, ldy, cols, op);
+  for (int s = 1; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int t = 0; t < MR; ++t)
+#pragma GCC unroll 3
+      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_add_ps(acc[0][t][b], acc[s][t][b]);
+  write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
 }
 
 // One micro-tile, bf16 weights, float32 activations and arithmetic. Each uint32 of a panel holds
