@@ -34,7 +34,7 @@ std::string to_json(const medusa::tree& t) {
   for (std::size_t i = 0; i < t.sorted_paths().size(); ++i)
     fmt::format_to(std::back_inserter(out), "{}{}", i ? "," : "", path_text(t.sorted_paths()[i]));
   fmt::format_to(std::back_inserter(out), "],\"parent\":[{}],\"position_ids\":[{}],\"tree_indices\":[{}]",
-                 fmt::join(t.parents(), ","), fmt::join(t.positions(), ","), fmt::join(t.tree_indices(), ","));
+                 fmt::join(t.parents(), ","), fmt::join(t.node_depths(), ","), fmt::join(t.tree_indices(), ","));
   out += ",\"retrieve_indices\":[";
   const auto cols = static_cast<std::size_t>(t.depth()) + 1;
   for (int r = 0; r < t.num_leaves(); ++r)
@@ -56,7 +56,7 @@ std::string to_json(const medusa::tree& t) {
 std::string label(const medusa::tree& t, int node) {
   if (node == 0) return "0 root";
   return fmt::format("{} {}  rank {}  depth {}  tree_index {}", node,
-                     path_text(t.sorted_paths()[static_cast<std::size_t>(node) - 1]), t.rank(node), t.position(node),
+                     path_text(t.sorted_paths()[static_cast<std::size_t>(node) - 1]), t.rank(node), t.node_depth(node),
                      t.tree_index(node));
 }
 

@@ -48,7 +48,7 @@ TEST_CASE("worked example of spec 2.3, literally") {
   CHECK(t.topk() == 10);
   CHECK(t.sorted_paths() == paths_t{{0}, {1}, {0, 0}, {0, 1}, {0, 2}, {1, 0}, {1, 1}, {1, 2}});
   CHECK(to_vec(t.parents()) == std::vector<int>{-1, 0, 0, 1, 1, 1, 2, 2, 2});
-  CHECK(to_vec(t.positions()) == std::vector<int>{0, 1, 1, 2, 2, 2, 2, 2, 2});
+  CHECK(to_vec(t.node_depths()) == std::vector<int>{0, 1, 1, 2, 2, 2, 2, 2, 2});
   CHECK(to_vec(t.tree_indices()) == std::vector<int>{0, 1, 2, 11, 12, 13, 11, 12, 13});
   CHECK(to_vec(t.ranks()) == std::vector<int>{-1, 0, 1, 0, 1, 2, 0, 1, 2});
   CHECK(t.num_leaves() == 6);
@@ -114,7 +114,7 @@ TEST_CASE("golden tree custom_mixed_depth (reference output), padding -1") {
   CHECK(t.sorted_paths() == paths_t{{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}, {0, 1, 0}, {0, 0, 0, 0}});
   CHECK(to_vec(t.parents()) == std::vector<int>{-1, 0, 0, 0, 1, 1, 2, 4, 5, 7});
   CHECK(to_vec(t.tree_indices()) == std::vector<int>{0, 1, 2, 3, 11, 12, 11, 21, 21, 31});
-  CHECK(to_vec(t.positions()) == std::vector<int>{0, 1, 1, 1, 2, 2, 2, 3, 3, 4});
+  CHECK(to_vec(t.node_depths()) == std::vector<int>{0, 1, 1, 1, 2, 2, 2, 3, 3, 4});
   CHECK(to_vec(t.retrieve_indices()) ==
         std::vector<int>{0, 1, 4, 7, 9, 0, 1, 5, 8, -1, 0, 2, 6, -1, -1, 0, 3, -1, -1, -1});
   CHECK(t.retrieve(3, 4) == -1);

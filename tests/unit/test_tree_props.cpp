@@ -97,15 +97,15 @@ void check_properties(const tree& t, const paths_t& input) {
   REQUIRE(n == static_cast<int>(input.size()) + 1);
   // position = depth = length of the node's path; parent path = path minus its last rank
   CHECK(t.parent(0) == -1);
-  CHECK(t.position(0) == 0);
+  CHECK(t.node_depth(0) == 0);
   CHECK(t.rank(0) == -1);
   for (int i = 1; i < n; ++i) {
     const auto& p = t.sorted_paths()[static_cast<std::size_t>(i) - 1];
-    REQUIRE(t.position(i) == static_cast<int>(p.size()));
+    REQUIRE(t.node_depth(i) == static_cast<int>(p.size()));
     REQUIRE(t.rank(i) == p.back());
     REQUIRE(t.parent(i) < i);
-    REQUIRE(t.position(t.parent(i)) == t.position(i) - 1);
-    REQUIRE(t.tree_index(i) == 1 + t.topk() * (t.position(i) - 1) + t.rank(i));
+    REQUIRE(t.node_depth(t.parent(i)) == t.node_depth(i) - 1);
+    REQUIRE(t.tree_index(i) == 1 + t.topk() * (t.node_depth(i) - 1) + t.rank(i));
   }
   // mask(i, j) == j is i or an ancestor of i; packed == dense; padding bits zero
   const int w = t.words_per_row();
@@ -143,7 +143,7 @@ void check_properties(const tree& t, const paths_t& input) {
     REQUIRE(t.depth_begin(d) < t.depth_begin(d + 1));  // no gaps in depth
     int mr = -1;
     for (int i = t.depth_begin(d); i < t.depth_begin(d + 1); ++i) {
-      REQUIRE(t.position(i) == d);
+      REQUIRE(t.node_depth(i) == d);
       mr = std::max(mr, t.rank(i));
     }
     REQUIRE(t.max_rank(d) == mr);
@@ -168,14 +168,14 @@ void check_properties(const tree& t, const paths_t& input) {
     REQUIRE(leaves_seen.insert(leaf).second);
     if (r > 0) {  // depth descending, then canonical order descending
       const int prev = t.leaf(r - 1);
-      REQUIRE((t.position(prev) > t.position(leaf) || (t.position(prev) == t.position(leaf) && prev > leaf)));
+      REQUIRE((t.node_depth(prev) > t.node_depth(leaf) || (t.node_depth(prev) == t.node_depth(leaf) && prev > leaf)));
     }
   }
   // the naive reference gives the same buffers
   const reference ref(input, t.topk());
   CHECK(t.sorted_paths() == ref.sorted);
   CHECK(std::vector<int>(t.parents().begin(), t.parents().end()) == ref.parent);
-  CHECK(std::vector<int>(t.positions().begin(), t.positions().end()) == ref.position);
+  CHECK(std::vector<int>(t.node_depths().begin(), t.node_depths().end()) == ref.position);
   CHECK(std::vector<int>(t.tree_indices().begin(), t.tree_indices().end()) == ref.tree_index);
   std::vector<int> flat;
   for (const auto& row : ref.retrieve) flat.insert(flat.end(), row.begin(), row.end());
@@ -184,7 +184,7 @@ void check_properties(const tree& t, const paths_t& input) {
 
 bool same_buffers(const tree& a, const tree& b) {
   auto eq = [](auto x, auto y) { return std::equal(x.begin(), x.end(), y.begin(), y.end()); };
-  return a.sorted_paths() == b.sorted_paths() && eq(a.parents(), b.parents()) && eq(a.positions(), b.positions()) &&
+  return a.sorted_paths() == b.sorted_paths() && eq(a.parents(), b.parents()) && eq(a.node_depths(), b.node_depths()) &&
          eq(a.ranks(), b.ranks()) && eq(a.tree_indices(), b.tree_indices()) &&
          eq(a.retrieve_indices(), b.retrieve_indices()) && eq(a.packed_mask(), b.packed_mask()) &&
          eq(a.child_begins(), b.child_begins()) && eq(a.depth_begins(), b.depth_begins()) &&

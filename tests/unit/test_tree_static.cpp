@@ -22,7 +22,7 @@ constexpr auto demo = medusa::static_tree_from<"[[0],[0,0],[0,1],[0,2],[1],[1,0]
 static_assert(demo.num_nodes() == 9 && demo.depth() == 2 && demo.topk() == 10 && demo.num_leaves() == 6);
 static_assert(demo.parent(0) == -1 && demo.parent(2) == 0 && demo.parent(5) == 1 && demo.parent(8) == 2);
 static_assert(demo.tree_index(3) == 11 && demo.tree_index(6) == 11 && demo.tree_index(8) == 13);
-static_assert(demo.position(0) == 0 && demo.position(1) == 1 && demo.position(8) == 2);
+static_assert(demo.node_depth(0) == 0 && demo.node_depth(1) == 1 && demo.node_depth(8) == 2);
 static_assert(demo.retrieve(0, 0) == 0 && demo.retrieve(0, 1) == 2 && demo.retrieve(0, 2) == 8);
 static_assert(demo.retrieve(5, 1) == 1 && demo.retrieve(5, 2) == 3);
 static_assert(demo.words_per_row() == 1);
@@ -56,19 +56,19 @@ constexpr std::array<int, 5> per_depth() {
   return a;
 }
 namespace p = medusa::presets;
-static_assert(p::mc_sim_7b_63.num_nodes() == 64);
-static_assert(per_depth<p::mc_sim_7b_63>() == std::array<int, 5>{0, 10, 28, 23, 2} && p::mc_sim_7b_63.num_leaves() == 42);
-static_assert(per_depth<p::vicuna_7b_stage2>() == std::array<int, 5>{0, 10, 23, 23, 7} && p::vicuna_7b_stage2.num_leaves() == 42);
-static_assert(per_depth<p::vicuna_7b_stage1_ablation>() == std::array<int, 5>{0, 10, 21, 25, 7} &&
-              p::vicuna_7b_stage1_ablation.num_leaves() == 42);
-static_assert(per_depth<p::vicuna_7b_stage1>() == std::array<int, 5>{0, 10, 32, 20, 1} && p::vicuna_7b_stage1.num_leaves() == 44);
-static_assert(per_depth<p::vicuna_13b_stage2>() == std::array<int, 5>{0, 10, 19, 25, 9} && p::vicuna_13b_stage2.num_leaves() == 42);
-static_assert(per_depth<p::vicuna_13b_stage1>() == std::array<int, 5>{0, 10, 29, 23, 1} && p::vicuna_13b_stage1.num_leaves() == 44);
-static_assert(per_depth<p::vicuna_33b_stage2>() == std::array<int, 5>{0, 10, 24, 24, 5} && p::vicuna_33b_stage2.num_leaves() == 43);
-static_assert(per_depth<p::vicuna_33b_stage1>() == std::array<int, 5>{0, 10, 34, 19, 0} && p::vicuna_33b_stage1.num_leaves() == 46);
-static_assert(per_depth<p::zephyr_stage2>() == std::array<int, 5>{0, 10, 27, 23, 3} && p::zephyr_stage2.num_leaves() == 44);
-static_assert(p::vicuna_33b_stage1.depth() == 3 && p::zephyr_stage2.depth() == 4);
-static_assert(p::mc_sim_7b_63.max_rank(1) == 9 && p::mc_sim_7b_63.max_rank(4) == 1);
+static_assert(p::named<"mc_sim_7b_63">.num_nodes() == 64);
+static_assert(per_depth<p::named<"mc_sim_7b_63">>() == std::array<int, 5>{0, 10, 28, 23, 2} && p::named<"mc_sim_7b_63">.num_leaves() == 42);
+static_assert(per_depth<p::named<"vicuna_7b_stage2">>() == std::array<int, 5>{0, 10, 23, 23, 7} && p::named<"vicuna_7b_stage2">.num_leaves() == 42);
+static_assert(per_depth<p::named<"vicuna_7b_stage1_ablation">>() == std::array<int, 5>{0, 10, 21, 25, 7} &&
+              p::named<"vicuna_7b_stage1_ablation">.num_leaves() == 42);
+static_assert(per_depth<p::named<"vicuna_7b_stage1">>() == std::array<int, 5>{0, 10, 32, 20, 1} && p::named<"vicuna_7b_stage1">.num_leaves() == 44);
+static_assert(per_depth<p::named<"vicuna_13b_stage2">>() == std::array<int, 5>{0, 10, 19, 25, 9} && p::named<"vicuna_13b_stage2">.num_leaves() == 42);
+static_assert(per_depth<p::named<"vicuna_13b_stage1">>() == std::array<int, 5>{0, 10, 29, 23, 1} && p::named<"vicuna_13b_stage1">.num_leaves() == 44);
+static_assert(per_depth<p::named<"vicuna_33b_stage2">>() == std::array<int, 5>{0, 10, 24, 24, 5} && p::named<"vicuna_33b_stage2">.num_leaves() == 43);
+static_assert(per_depth<p::named<"vicuna_33b_stage1">>() == std::array<int, 5>{0, 10, 34, 19, 0} && p::named<"vicuna_33b_stage1">.num_leaves() == 46);
+static_assert(per_depth<p::named<"zephyr_stage2">>() == std::array<int, 5>{0, 10, 27, 23, 3} && p::named<"zephyr_stage2">.num_leaves() == 44);
+static_assert(p::named<"vicuna_33b_stage1">.depth() == 3 && p::named<"zephyr_stage2">.depth() == 4);
+static_assert(p::named<"mc_sim_7b_63">.max_rank(1) == 9 && p::named<"mc_sim_7b_63">.max_rank(4) == 1);
 
 // a kernel-style template instantiated per tree shape
 template <auto Tree>
@@ -76,11 +76,11 @@ template <auto Tree>
 constexpr int deepest_leaf_row() {
   return Tree.retrieve(0, Tree.depth());
 }
-static_assert(deepest_leaf_row<p::mc_sim_7b_63>() == 63);
+static_assert(deepest_leaf_row<p::named<"mc_sim_7b_63">>() == 63);
 static_assert(deepest_leaf_row<demo>() == 8);
 // named tag types (for __global__ kernels) carry the same value
-static_assert(p::tags::zephyr_stage2::tree == p::zephyr_stage2 && p::tags::zephyr_stage2::name == "zephyr_stage2");
-static_assert(deepest_leaf_row<p::tags::vicuna_33b_stage1::tree>() == 63);
+static_assert(p::tag_of<"zephyr_stage2">::tree == p::named<"zephyr_stage2"> && p::tag_of<"zephyr_stage2">::name == "zephyr_stage2");
+static_assert(deepest_leaf_row<p::tag_of<"vicuna_33b_stage1">::tree>() == 63);
 
 // the largest static tree: 15 depth-1 nodes and 15 * 16 depth-2 nodes, topk 16 -> 256 nodes
 constexpr auto big = medusa::static_tree_from<
@@ -194,7 +194,7 @@ void check_identical(const A& a, const B& b) {
   const int n = a.num_nodes();
   for (int i = 0; i < n; ++i) {
     REQUIRE(a.parent(i) == b.parent(i));
-    REQUIRE(a.position(i) == b.position(i));
+    REQUIRE(a.node_depth(i) == b.node_depth(i));
     REQUIRE(a.rank(i) == b.rank(i));
     REQUIRE(a.tree_index(i) == b.tree_index(i));
     REQUIRE(a.child_begin(i) == b.child_begin(i));
