@@ -39,11 +39,11 @@ std::vector<T> random_buffer(std::size_t n, unsigned seed) {
 
 struct two_threads {  // a minimal caller-side parallel-for: one helper thread per call
   template <class F>
-  void operator()(int count, F&& body) const {
+  void operator()(std::size_t count, F&& body) const {
     std::thread t([&] {
-      for (int i = 0; i < count; i += 2) body(i);
+      for (std::size_t i = 0; i < count; i += 2) body(i);
     });
-    for (int i = 1; i < count; i += 2) body(i);
+    for (std::size_t i = 1; i < count; i += 2) body(i);
     t.join();
   }
 };
@@ -65,7 +65,7 @@ void run(benchmark::State& state, int num_queries, int L) {
   const auto mask = tree_mask(num_queries, wpr);
   auto body = [&](const auto& kv) {
     for (auto _ : state) {
-      medusa::tree_attention(kv, 0, L, q, num_queries, kQHeads, medusa::packed_tree_mask{mask, wpr}, out, {}, PF{});
+      medusa::tree_attention(kv, 0, L, q, num_queries, kQHeads, medusa::tree_mask_view{mask, wpr}, out, {}, PF{});
       benchmark::DoNotOptimize(out.data());
     }
   };

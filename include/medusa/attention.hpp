@@ -2,7 +2,7 @@
 //! @file attention.hpp
 //! CPU reference of tree attention (and plain causal attention) over a `kv_cache_view`.
 //!
-//! One forward pass of the `N` tree nodes (spec §1): query `i` attends to every committed slot
+//! One forward pass of the `N` tree nodes: query `i` attends to every committed slot
 //! `[0, L)`, and to tree slots `L + j` for the nodes `j` its packed ancestor mask allows (its
 //! ancestors, the root and itself). The caller has already written the K/V of node `j` at slot
 //! `L + j` and applied RoPE. Grouped-query attention: `num_q_heads` is a multiple of the KV
@@ -14,8 +14,9 @@
 //! of the group) are processed together against blocks of 64 keys, so a K/V row is read and
 //! converted once per group; scores and softmax are accumulated online. The inner loops use
 //! AVX-512 when the compiler targets it (`-march=native` on an AVX-512 machine) and a portable
-//! auto-vectorisable path otherwise (define `MEDUSA_ATTENTION_PORTABLE` to force it). No threads
-//! are created; pass a parallel-for to spread KV heads over the caller's threads.
+//! auto-vectorisable path otherwise (define `MEDUSA_PORTABLE_KERNELS` to force it); the functions
+//! live in the instruction-set namespace of config.hpp. No threads are created; pass a
+//! parallel-for (parallel.hpp) to spread KV heads over the caller's threads.
 //!
 //! @code
 //! #include <medusa/attention.hpp>
@@ -28,16 +29,20 @@
 //!   // tree: root 0, children 1 and 2 -> rows 0b001, 0b011, 0b101
 //!   const std::uint32_t mask[] = {0x1, 0x3, 0x5};
 //!   std::vector<float> q(3 * 2 * 8, 0.1f), out(q.size());   // 3 nodes, 2 query heads
-//!   medusa::tree_attention(kv, /*layer*/ 0, /*L*/ 10, q, 3, 2, medusa::packed_tree_mask{mask, 1}, out);
+//!   medusa::tree_attention(kv, /*layer*/ 0, /*L*/ 10, q, 3, 2, medusa::tree_mask_view{mask, 1}, out);
 //!   return out[0] == 1.0f ? 0 : 1;                          // every V row is 1
 //! }
 //! @endcode
 #pragma once
 
 #include <medusa/config.hpp>
+#include <medusa/detail/exp2.hpp>
 #include <medusa/error.hpp>
 #include <medusa/half.hpp>
 #include <medusa/kv_cache.hpp>
+#include <medusa/parallel.hpp>
+#include <medusa/tree/concepts.hpp>
+#include <medusa/tree/mask.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -51,40 +56,18 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && !defined(MEDUSA_ATTENTION_PORTABLE)
-#define MEDUSA_ATTENTION_AVX512 1
+#if MEDUSA_ISA_F16C
 #include <immintrin.h>
-#else
-#define MEDUSA_ATTENTION_AVX512 0
-#if defined(__F16C__) && defined(__AVX__)
-#include <immintrin.h>
-#endif
 #endif
 
 MEDUSA_NAMESPACE_BEGIN
 
-//! Tree visibility from a packed ancestor mask: row-major `[N][words_per_row]` words; bit `j % 32`
-//! of word `j / 32` of row `i` set = node `i` may see node `j` (spec §2.2, LSB first). Committed
-//! slots `[0, L)` are always visible. Bits for `j >= N` are ignored.
-struct packed_tree_mask {
-  std::span<const std::uint32_t> words;  //!< `N * words_per_row` words (or more)
-  int words_per_row = 0;                 //!< at least `ceil(N / 32)`
-};
-
 //! Causal visibility within the chunk: query `i` sees chunk rows `0..i` (and all of `[0, L)`).
 struct causal_mask {};
 
-//! The mask sources `tree_attention` accepts directly.
+//! The mask sources `tree_attention` accepts directly: a `tree_mask_view` or `causal_mask{}`.
 template <class M>
-concept attention_mask = std::same_as<M, packed_tree_mask> || std::same_as<M, causal_mask>;
-
-//! A tree that can provide its packed mask (satisfied by `medusa::tree` and the compile-time tree).
-template <class Tree>
-concept attention_tree = requires(const Tree& t, int i) {
-  { t.num_nodes() } -> std::convertible_to<int>;
-  { t.words_per_row() } -> std::convertible_to<int>;
-  { t.packed_mask_word(i, i) } -> std::convertible_to<std::uint32_t>;
-};
+concept attention_mask = std::same_as<M, tree_mask_view> || std::same_as<M, causal_mask>;
 
 //! Options of `tree_attention`.
 struct attention_options {
@@ -92,16 +75,8 @@ struct attention_options {
   float scale = 0.0f;
 };
 
-//! Runs `body(i)` for `i` in `[0, count)` on the calling thread (the default "parallel" for).
-struct sequential_for {
-  //! Calls `body(0) .. body(count - 1)` in order.
-  template <class F>
-  void operator()(int count, F&& body) const {
-    for (int i = 0; i < count; ++i) body(i);
-  }
-};
-
 namespace detail {
+MEDUSA_ISA_NAMESPACE_BEGIN
 
 inline constexpr int attn_block = 64;  // keys per block: one 64-bit mask word per query row
 inline constexpr int attn_rows = 4;    // query rows per micro-kernel
@@ -121,18 +96,18 @@ inline void attn_load_row(const bfloat16* src, float* dst, int n) noexcept {
 }
 inline void attn_load_row(const half* src, float* dst, int n) noexcept {
   int d = 0;
-#if MEDUSA_ATTENTION_AVX512
+#if MEDUSA_ISA_AVX512
   for (; d + 16 <= n; d += 16)
     _mm512_storeu_ps(dst + d, _mm512_mask_cvtph_ps(_mm512_setzero_ps(), static_cast<__mmask16>(0xFFFF),
                                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
-#elif defined(__F16C__) && defined(__AVX__)
+#elif MEDUSA_ISA_F16C
   for (; d + 8 <= n; d += 8)
     _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
 #endif
   for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
-#if MEDUSA_ATTENTION_AVX512
+#if MEDUSA_ISA_AVX512
 // Horizontal reductions through memory: _mm512_reduce_*_ps trips g++ 12's -Wmaybe-uninitialized.
 inline float attn_hmax(__m512 v) noexcept {
   alignas(64) float t[16];
@@ -150,7 +125,7 @@ inline float attn_hsum(__m512 v) noexcept {
 }
 #endif
 
-#if MEDUSA_ATTENTION_AVX512
+#if MEDUSA_ISA_AVX512
 // dst[d * ld + k] = src[k][d0 + d] for k, d < 16: a 16 × 16 transpose in registers (unpack pairs,
 // then quads, then 128-bit lanes twice).
 inline void attn_transpose16(const float* const* src, int d0, float* dst, int ld) noexcept {
@@ -187,25 +162,6 @@ inline void attn_transpose16(const float* const* src, int d0, float* dst, int ld
 }
 #endif
 
-// 2^x for x <= 0 (softmax weights); exact 0 below -126. Branch-free so the loops vectorise.
-inline float attn_exp2(float x) noexcept {
-  // Clamped first so that no value (not even NaN) reaches the float -> int conversion out of range.
-  const float xc = x > -126.0f ? (x < 127.0f ? x : 127.0f) : -126.0f;
-  const float n = std::nearbyint(xc);
-  const float f = xc - n;  // [-0.5, 0.5]
-  // Taylor polynomial of 2^f = e^(f ln 2), degree 6: relative error < 2e-7 on [-0.5, 0.5].
-  float p = 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
-  const auto e = static_cast<std::uint32_t>(static_cast<int>(n) + 127) << 23;
-  const float r = p * __builtin_bit_cast(float, e);
-  return x < -126.0f ? 0.0f : r;
-}
-
 // One task: KV head `g`, query rows [r0, r1) of the node-major row list (row = node*G + h).
 template <class View, class Mask>
 struct attn_task {
@@ -228,12 +184,7 @@ struct attn_task {
       const int n = i - j0 + 1;
       return n >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << n) - 1;
     } else {
-      const int wpr = mask.words_per_row;
-      const int w0 = j0 / 32;
-      const std::uint32_t* row = mask.words.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(wpr);
-      const std::uint64_t lo = w0 < wpr ? row[w0] : 0u;
-      const std::uint64_t hi = w0 + 1 < wpr ? row[w0 + 1] : 0u;
-      return lo | (hi << 32);
+      return mask.bits64(i, j0);
     }
   }
 
@@ -298,7 +249,7 @@ struct attn_task {
           krows[j] = kv.k_row(layer, slot0 + j, g);
           vrows[j] = kv.v_row(layer, slot0 + j, g);
         }
-#if MEDUSA_ATTENTION_AVX512
+#if MEDUSA_ISA_AVX512
         if (D % 16 == 0)
           for (; k + 16 <= cnt; k += 16)
             for (int d0 = 0; d0 < D; d0 += 16) attn_transpose16(krows + k, d0, Kt + static_cast<std::size_t>(d0) * B + k, B);
@@ -344,7 +295,7 @@ struct attn_task {
   void qk(const float* Qb, const float* Kt, float* S) const noexcept {
     constexpr int B = attn_block;
     const auto Dz = static_cast<std::size_t>(D);
-#if MEDUSA_ATTENTION_AVX512
+#if MEDUSA_ISA_AVX512
     __m512 acc[attn_rows][4];
     for (auto& row : acc)
       for (auto& a : row) a = _mm512_setzero_ps();
@@ -388,7 +339,7 @@ struct attn_task {
         std::fill(s, s + B, 0.0f);
         continue;
       }
-#if MEDUSA_ATTENTION_AVX512
+#if MEDUSA_ISA_AVX512
       // Masked forms with an explicit source everywhere: the plain intrinsics pass
       // _mm512_undefined_ps() and trip g++ 12's -Wmaybe-uninitialized under -Werror.
       constexpr auto kAll = static_cast<__mmask16>(0xFFFF);
@@ -413,32 +364,20 @@ struct attn_task {
         continue;
       }
       const float mnew = std::max(m[r], bmax);
-      const float alpha = m[r] == ninf ? 0.0f : attn_exp2(m[r] - mnew);
+      const float alpha = m[r] == ninf ? 0.0f : exp2_approx(m[r] - mnew);
       float sum = 0.0f;
-#if MEDUSA_ATTENTION_AVX512
+#if MEDUSA_ISA_AVX512
       const __m512 mn = _mm512_set1_ps(mnew);
-      const __m512 mlo = _mm512_set1_ps(-200.0f);
       __m512 acc = _mm512_setzero_ps();
       for (int c = 0; c < 4; ++c) {
-        const __m512 x = _mm512_mask_max_ps(mlo, kAll, _mm512_sub_ps(sv[c], mn), mlo);
-        const __m512 n = _mm512_mask_roundscale_ps(x, kAll, x,
-                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 f = _mm512_sub_ps(x, n);
-        __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-        p = _mm512_mask_scalef_ps(p, kAll, p, n);  // 2^n * p, exact 0 far below
+        const __m512 p = exp2_approx(_mm512_sub_ps(sv[c], mn));  // masked keys: -inf -> exactly 0
         acc = _mm512_add_ps(acc, p);
         _mm512_storeu_ps(s + 16 * c, p);
       }
       sum = attn_hsum(acc);
 #else
       for (int k = 0; k < B; ++k) {
-        s[k] = attn_exp2(s[k] - mnew);
+        s[k] = exp2_approx(s[k] - mnew);
         sum += s[k];
       }
 #endif
@@ -455,7 +394,7 @@ struct attn_task {
   void pv(const float* P, const float* const* vrows, int cnt, float* O) const noexcept {
     constexpr int B = attn_block;
     const auto Dz = static_cast<std::size_t>(D);
-#if MEDUSA_ATTENTION_AVX512
+#if MEDUSA_ISA_AVX512
     if (D % 16 == 0) {
       std::size_t d0 = 0;
       for (; d0 + 64 <= Dz; d0 += 64) pv_chunk<4>(P, vrows, cnt, O, d0);
@@ -475,7 +414,7 @@ struct attn_task {
     }
   }
 
-#if MEDUSA_ATTENTION_AVX512
+#if MEDUSA_ISA_AVX512
   template <int NC>
   void pv_chunk(const float* P, const float* const* vrows, int cnt, float* O, std::size_t d0) const noexcept {
     constexpr int B = attn_block;
@@ -498,7 +437,10 @@ struct attn_task {
 #endif
 };
 
+MEDUSA_ISA_NAMESPACE_END
 }  // namespace detail
+
+MEDUSA_ISA_NAMESPACE_BEGIN
 
 //! Tree (or causal) attention of `num_queries` query rows against one layer of the cache.
 //!
@@ -508,18 +450,18 @@ struct attn_task {
 //! @param queries          `[num_queries][num_q_heads][head_dim]` floats (RoPE already applied)
 //! @param num_queries      `N`, the tree nodes (or chunk length)
 //! @param num_q_heads      query heads, a multiple of `kv.num_kv_heads()`
-//! @param mask             `packed_tree_mask{...}` or `causal_mask{}`: which of the `N` new rows a query sees
+//! @param mask             a `tree_mask_view` or `causal_mask{}`: which of the `N` new rows a query sees
 //! @param out              `[num_queries][num_q_heads][head_dim]`; may alias `queries` exactly
 //! @param opts             softmax scale (default `1/sqrt(head_dim)`)
-//! @param parallel_for     `parallel_for(count, body)` must call `body(i)` once for each `i < count`,
-//!                         in any order and on any threads; the default runs them in order here
+//! @param pf               a parallel-for (parallel.hpp): `pf(count, body)` calls `body(i)` once for
+//!                         each `i < count`, in any order and on any threads
 //! @throws kv_cache_error on bad shapes, a layer out of range, `L + N` beyond the capacity, a
 //!         block table that does not map `[0, L+N)`, or a mask too small for `N`.
 //! A query that sees no key at all gets a zero output.
-template <kv_view View, attention_mask Mask, class ParallelFor = sequential_for>
+template <kv_view View, attention_mask Mask, parallel_for ParallelFor = sequential_for>
 void tree_attention(const View& kv, int layer, int committed_length, std::span<const float> queries, int num_queries,
                     int num_q_heads, const Mask& mask, std::span<float> out, const attention_options& opts = {},
-                    ParallelFor&& parallel_for = {}) {
+                    ParallelFor&& pf = {}) {
   using detail::kv_fail;
   const int hkv = kv.num_kv_heads();
   const int D = kv.head_dim();
@@ -547,15 +489,12 @@ void tree_attention(const View& kv, int layer, int committed_length, std::span<c
   if (out.data() != queries.data() && out.data() < queries.data() + queries.size() &&
       queries.data() < out.data() + out.size())
     kv_fail(kv_errc::size_mismatch, "attention output partially overlaps the queries");
-  if constexpr (std::is_same_v<Mask, packed_tree_mask>) {
-    const int wmin = (num_queries + 31) / 32;
-    if (mask.words_per_row < wmin ||
-        mask.words.size() / static_cast<std::size_t>(std::max(1, mask.words_per_row)) <
-            static_cast<std::size_t>(num_queries))
+  if constexpr (std::is_same_v<Mask, tree_mask_view>) {
+    if (!mask.covers(num_queries))
       kv_fail(kv_errc::size_mismatch, "packed tree mask of " + std::to_string(mask.words.size()) + " words, " +
                                           std::to_string(mask.words_per_row) + " per row, is too small for " +
-                                          std::to_string(num_queries) + " nodes (needs " + std::to_string(wmin) +
-                                          " words per row)");
+                                          std::to_string(num_queries) + " nodes (needs " +
+                                          std::to_string((num_queries + 31) / 32) + " words per row)");
   }
   if (!(std::isfinite(opts.scale)))
     kv_fail(kv_errc::invalid_shape, "attention scale is not finite");
@@ -568,7 +507,7 @@ void tree_attention(const View& kv, int layer, int committed_length, std::span<c
     kv_fail(kv_errc::invalid_shape, "attention with " + std::to_string(num_queries) + " queries x " +
                                         std::to_string(G) + " heads per group is too large");
   const detail::attn_task<View, Mask> task{kv, layer, committed_length, num_queries, num_q_heads, G, D,
-                                           scale * 1.4426950408889634f, mask, queries, out};
+                                           scale * detail::log2e, mask, queries, out};
   // Tasks: every KV head, its rows split further when there are fewer than 4 KV heads so that a
   // caller's thread pool still has work to share.
   const int rows = num_queries * G;
@@ -576,41 +515,49 @@ void tree_attention(const View& kv, int layer, int committed_length, std::span<c
   if (hkv < 4) chunks = std::max(1, std::min((4 + hkv - 1) / hkv, rows / 16));
   const int per = ((rows + chunks - 1) / chunks + detail::attn_rows - 1) / detail::attn_rows * detail::attn_rows;
   chunks = (rows + per - 1) / per;
-  parallel_for(hkv * chunks, [&task, chunks, per, rows](int t) {
+  pf(static_cast<std::size_t>(hkv * chunks), [&task, chunks, per, rows](std::size_t i) {
+    const int t = static_cast<int>(i);
     const int g = t / chunks;
     const int r0 = (t % chunks) * per;
     task.run(g, r0, std::min(rows, r0 + per));
   });
 }
 
-//! @overload for any tree with `num_nodes()`, `words_per_row()` and `packed_mask_word(row, word)`
-//! (e.g. `medusa::tree`): `N = tree.num_nodes()`.
-template <kv_view View, attention_tree Tree, class ParallelFor = sequential_for>
+//! @overload for any `masked_tree` (e.g. `medusa::tree`, `medusa::static_tree<N>`):
+//! `N = tree.num_nodes()`, the tree's own mask (copied once when the tree has no `mask_view()`).
+template <kv_view View, masked_tree Tree, parallel_for ParallelFor = sequential_for>
 void tree_attention(const View& kv, int layer, int committed_length, std::span<const float> queries, int num_q_heads,
                     const Tree& tree, std::span<float> out, const attention_options& opts = {},
-                    ParallelFor&& parallel_for = {}) {
+                    ParallelFor&& pf = {}) {
   const int n = static_cast<int>(tree.num_nodes());
-  const int wpr = static_cast<int>(tree.words_per_row());
-  if (n < 0 || wpr < (n + 31) / 32)
-    detail::kv_fail(kv_errc::size_mismatch,
-                    "tree with " + std::to_string(n) + " nodes reports " + std::to_string(wpr) + " mask words per row");
-  std::vector<std::uint32_t> words(static_cast<std::size_t>(n) * static_cast<std::size_t>(wpr));
-  for (int i = 0; i < n; ++i)
-    for (int w = 0; w < wpr; ++w)
-      words[static_cast<std::size_t>(i) * static_cast<std::size_t>(wpr) + static_cast<std::size_t>(w)] =
-          static_cast<std::uint32_t>(tree.packed_mask_word(i, w));
-  tree_attention(kv, layer, committed_length, queries, n, num_q_heads, packed_tree_mask{words, wpr}, out, opts,
-                 static_cast<ParallelFor&&>(parallel_for));
+  if constexpr (requires { { tree.mask_view() } -> std::convertible_to<tree_mask_view>; }) {
+    tree_attention(kv, layer, committed_length, queries, n, num_q_heads, tree_mask_view(tree.mask_view()), out, opts,
+                   static_cast<ParallelFor&&>(pf));
+  } else {
+    const int wpr = static_cast<int>(tree.words_per_row());
+    if (n < 0 || wpr < (n + 31) / 32)
+      detail::kv_fail(kv_errc::size_mismatch, "tree with " + std::to_string(n) + " nodes reports " +
+                                                  std::to_string(wpr) + " mask words per row");
+    std::vector<std::uint32_t> words(static_cast<std::size_t>(n) * static_cast<std::size_t>(wpr));
+    for (int i = 0; i < n; ++i)
+      for (int w = 0; w < wpr; ++w)
+        words[static_cast<std::size_t>(i) * static_cast<std::size_t>(wpr) + static_cast<std::size_t>(w)] =
+            tree.packed_mask_word(i, w);
+    tree_attention(kv, layer, committed_length, queries, n, num_q_heads, tree_mask_view{words, wpr}, out, opts,
+                   static_cast<ParallelFor&&>(pf));
+  }
 }
 
 //! Plain causal attention of a chunk of `num_queries` tokens at slots `[L, L+num_queries)`
 //! (prefill, or decode with one query): `tree_attention` with `causal_mask{}`.
-template <kv_view View, class ParallelFor = sequential_for>
+template <kv_view View, parallel_for ParallelFor = sequential_for>
 void causal_attention(const View& kv, int layer, int committed_length, std::span<const float> queries,
                       int num_queries, int num_q_heads, std::span<float> out, const attention_options& opts = {},
-                      ParallelFor&& parallel_for = {}) {
+                      ParallelFor&& pf = {}) {
   tree_attention(kv, layer, committed_length, queries, num_queries, num_q_heads, causal_mask{}, out, opts,
-                 static_cast<ParallelFor&&>(parallel_for));
+                 static_cast<ParallelFor&&>(pf));
 }
+
+MEDUSA_ISA_NAMESPACE_END
 
 MEDUSA_NAMESPACE_END

@@ -37,6 +37,29 @@
   }                          \
   }
 
+// Inline function bodies that differ with the instruction set a translation unit is compiled for
+// (`#if __AVX512F__` kernels) live in an inline namespace named after that instruction set, so an
+// engine that links translation units built with different `-m` flags gets one definition per
+// instruction set instead of an ODR violation. Define MEDUSA_PORTABLE_KERNELS to force the
+// portable bodies.
+#if defined(__AVX512F__) && !defined(MEDUSA_PORTABLE_KERNELS)
+#define MEDUSA_ISA_AVX512 1
+#define MEDUSA_ISA_F16C 1
+#define MEDUSA_ISA_NAMESPACE isa_avx512
+#elif defined(__AVX__) && defined(__F16C__) && !defined(MEDUSA_PORTABLE_KERNELS)
+#define MEDUSA_ISA_AVX512 0
+#define MEDUSA_ISA_F16C 1
+#define MEDUSA_ISA_NAMESPACE isa_avx_f16c
+#else
+#define MEDUSA_ISA_AVX512 0
+#define MEDUSA_ISA_F16C 0
+#define MEDUSA_ISA_NAMESPACE isa_portable
+#endif
+//! Opens the instruction-set namespace (inside `MEDUSA_NAMESPACE_BEGIN` or a nested namespace).
+#define MEDUSA_ISA_NAMESPACE_BEGIN inline namespace MEDUSA_ISA_NAMESPACE {
+//! Closes it.
+#define MEDUSA_ISA_NAMESPACE_END }
+
 MEDUSA_NAMESPACE_BEGIN
 
 //! The library version this header belongs to.
@@ -50,5 +73,19 @@ struct version_info {
 constexpr version_info version() noexcept {
   return {MEDUSA_VERSION_MAJOR, MEDUSA_VERSION_MINOR, MEDUSA_VERSION_PATCH};
 }
+
+MEDUSA_ISA_NAMESPACE_BEGIN
+//! The instruction set the CPU kernels of this translation unit use: "avx512", "avx_f16c" or
+//! "portable".
+constexpr const char* kernel_isa() noexcept {
+#if MEDUSA_ISA_AVX512
+  return "avx512";
+#elif MEDUSA_ISA_F16C
+  return "avx_f16c";
+#else
+  return "portable";
+#endif
+}
+MEDUSA_ISA_NAMESPACE_END
 
 MEDUSA_NAMESPACE_END

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file kv_cache.hpp
-//! Non-owning views over an engine's KV cache and the accepted-path commit (spec §6).
+//! Non-owning views over an engine's KV cache and the accepted-path commit.
 //!
 //! Engines keep their own K/V memory. `kv_cache_view` describes it in the style of `std::mdspan`
 //! (extents + layout mapping + accessor): per layer, per slot (token position), per KV head, one
-//! contiguous row of `head_dim` elements. Two layout policies cover what engines use:
+//! contiguous row of `head_dim` elements. Layouts are open: any type whose `mapping` satisfies
+//! `kv_layout_mapping` plugs in. Two are provided:
 //!
 //! * `layout_kv_strided`: contiguous caches with explicit element strides for layer, slot and
 //!   head; `nhd` (`[layer][slot][head][dim]`) and `hnd` (`[layer][head][slot][dim]`) are presets.
@@ -34,6 +35,7 @@
 #include <medusa/config.hpp>
 #include <medusa/error.hpp>
 #include <medusa/half.hpp>
+#include <medusa/tree/concepts.hpp>
 
 #include <concepts>
 #include <cstddef>
@@ -42,6 +44,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -61,7 +64,7 @@ enum class kv_errc {
 };
 
 //! The name of a `kv_errc` value, e.g. `"invalid_path"`.
-[[nodiscard]] constexpr const char* to_string(kv_errc c) noexcept {
+[[nodiscard]] constexpr std::string_view to_string(kv_errc c) noexcept {
   switch (c) {
     case kv_errc::invalid_shape: return "invalid_shape";
     case kv_errc::capacity_exceeded: return "capacity_exceeded";
@@ -137,7 +140,7 @@ inline std::size_t kv_add(std::size_t a, std::size_t b) {
 struct layout_kv_strided {
   //! The mapping: extents, capacity (slots) and strides in elements.
   struct mapping {
-    kv_extents extents{};          //!< layers, KV heads, head_dim
+    kv_extents shape{};            //!< layers, KV heads, head_dim
     int capacity = 0;              //!< slots per layer
     std::size_t layer_stride = 0;  //!< elements between layer l and l+1
     std::size_t slot_stride = 0;   //!< elements between slot s and s+1
@@ -169,11 +172,13 @@ struct layout_kv_strided {
       if (capacity == 0) return 0;
       using detail::kv_add;
       using detail::kv_mul;
-      std::size_t last = kv_mul(static_cast<std::size_t>(extents.num_layers - 1), layer_stride);
+      std::size_t last = kv_mul(static_cast<std::size_t>(shape.num_layers - 1), layer_stride);
       last = kv_add(last, kv_mul(static_cast<std::size_t>(capacity - 1), slot_stride));
-      last = kv_add(last, kv_mul(static_cast<std::size_t>(extents.num_kv_heads - 1), head_stride));
-      return kv_add(last, static_cast<std::size_t>(extents.head_dim));
+      last = kv_add(last, kv_mul(static_cast<std::size_t>(shape.num_kv_heads - 1), head_stride));
+      return kv_add(last, static_cast<std::size_t>(shape.head_dim));
     }
+    //! Layers, KV heads, head_dim.
+    [[nodiscard]] MEDUSA_HOST_DEVICE constexpr const kv_extents& extents() const noexcept { return shape; }
     //! Slots addressable through the view.
     [[nodiscard]] MEDUSA_HOST_DEVICE constexpr int slots() const noexcept { return capacity; }
     //! Offset (elements) of the first element of row (layer, slot, head). No bounds checks.
@@ -183,7 +188,7 @@ struct layout_kv_strided {
     }
     //! True when the heads of one slot form one contiguous run (NHD), so a slot moves in one copy.
     [[nodiscard]] MEDUSA_HOST_DEVICE constexpr bool heads_contiguous() const noexcept {
-      return extents.num_kv_heads == 1 || head_stride == static_cast<std::size_t>(extents.head_dim);
+      return shape.num_kv_heads == 1 || head_stride == static_cast<std::size_t>(shape.head_dim);
     }
   };
 };
@@ -195,7 +200,7 @@ struct layout_kv_strided {
 struct layout_kv_paged {
   //! The mapping: extents, block table, page geometry and strides in elements.
   struct mapping {
-    kv_extents extents{};                   //!< layers, KV heads, head_dim
+    kv_extents shape{};                     //!< layers, KV heads, head_dim
     const std::int32_t* block_table = nullptr;  //!< logical block -> physical page
     int num_blocks = 0;                     //!< entries in `block_table` (mapped blocks)
     int page_size = 0;                      //!< slots per page
@@ -237,12 +242,14 @@ struct layout_kv_paged {
       if (num_pages == 0) return 0;
       using detail::kv_add;
       using detail::kv_mul;
-      std::size_t last = kv_mul(static_cast<std::size_t>(extents.num_layers - 1), layer_stride);
+      std::size_t last = kv_mul(static_cast<std::size_t>(shape.num_layers - 1), layer_stride);
       last = kv_add(last, kv_mul(static_cast<std::size_t>(num_pages - 1), page_stride));
       last = kv_add(last, kv_mul(static_cast<std::size_t>(page_size - 1), token_stride));
-      last = kv_add(last, kv_mul(static_cast<std::size_t>(extents.num_kv_heads - 1), head_stride));
-      return kv_add(last, static_cast<std::size_t>(extents.head_dim));
+      last = kv_add(last, kv_mul(static_cast<std::size_t>(shape.num_kv_heads - 1), head_stride));
+      return kv_add(last, static_cast<std::size_t>(shape.head_dim));
     }
+    //! Layers, KV heads, head_dim.
+    [[nodiscard]] MEDUSA_HOST_DEVICE constexpr const kv_extents& extents() const noexcept { return shape; }
     //! Slots addressable through the block table (`num_blocks * page_size`).
     [[nodiscard]] MEDUSA_HOST_DEVICE constexpr int slots() const noexcept { return num_blocks * page_size; }
     //! Offset (elements) of the first element of row (layer, slot, head). No bounds checks.
@@ -253,7 +260,25 @@ struct layout_kv_paged {
     }
     //! True when the heads of one slot form one contiguous run (NHD pages).
     [[nodiscard]] MEDUSA_HOST_DEVICE constexpr bool heads_contiguous() const noexcept {
-      return extents.num_kv_heads == 1 || head_stride == static_cast<std::size_t>(extents.head_dim);
+      return shape.num_kv_heads == 1 || head_stride == static_cast<std::size_t>(shape.head_dim);
+    }
+    //! Throws `kv_cache_error` unless the block table maps slots `[begin, end)` to pages of the
+    //! pool (`block_table_too_short`, `invalid_block`); `request` names the request of a batch.
+    void validate_slots(int begin, int end, int request = -1) const {
+      const int blocks = end / page_size + (end % page_size != 0 ? 1 : 0);
+      if (blocks > num_blocks)
+        detail::kv_fail(kv_errc::block_table_too_short,
+                        "slots up to " + std::to_string(end) + " need " + std::to_string(blocks) + " blocks of " +
+                            std::to_string(page_size) + ", the block table maps " + std::to_string(num_blocks),
+                        request);
+      for (int b = begin / page_size; b < blocks; ++b) {
+        const std::int32_t page = block_table[b];
+        if (page < 0 || page >= num_pages)
+          detail::kv_fail(kv_errc::invalid_block,
+                          "block table entry " + std::to_string(b) + " is page " + std::to_string(page) +
+                              ", the pool has " + std::to_string(num_pages) + " pages",
+                          request);
+      }
     }
   };
 };
@@ -274,7 +299,8 @@ struct kv_default_accessor {
 //! A non-owning, trivially copyable view of the K and V caches of an engine.
 //!
 //! @tparam T        element type: `float`, `half`, `bfloat16` (or `const` of these for read-only views)
-//! @tparam Layout   `layout_kv_strided` (contiguous, NHD/HND/any strides) or `layout_kv_paged`
+//! @tparam Layout   a layout policy whose nested `mapping` satisfies `kv_layout_mapping`:
+//!                  `layout_kv_strided` (contiguous, NHD/HND/any strides), `layout_kv_paged`, or yours
 //! @tparam Accessor mdspan-style accessor; the algorithms of this header need `kv_default_accessor`
 //!
 //! K and V share one mapping (same shape and strides) but have their own base handles. Element
@@ -298,15 +324,15 @@ class kv_cache_view {
       : k_(k), v_(v), map_(m), acc_(a) {}
 
   //! Layers in the view.
-  [[nodiscard]] MEDUSA_HOST_DEVICE constexpr int num_layers() const noexcept { return map_.extents.num_layers; }
+  [[nodiscard]] MEDUSA_HOST_DEVICE constexpr int num_layers() const noexcept { return map_.extents().num_layers; }
   //! KV heads per layer.
-  [[nodiscard]] MEDUSA_HOST_DEVICE constexpr int num_kv_heads() const noexcept { return map_.extents.num_kv_heads; }
+  [[nodiscard]] MEDUSA_HOST_DEVICE constexpr int num_kv_heads() const noexcept { return map_.extents().num_kv_heads; }
   //! Elements per row.
-  [[nodiscard]] MEDUSA_HOST_DEVICE constexpr int head_dim() const noexcept { return map_.extents.head_dim; }
+  [[nodiscard]] MEDUSA_HOST_DEVICE constexpr int head_dim() const noexcept { return map_.extents().head_dim; }
   //! Addressable slots (contiguous: the capacity; paged: mapped blocks × page size).
   [[nodiscard]] MEDUSA_HOST_DEVICE constexpr int capacity() const noexcept { return map_.slots(); }
   //! The extents.
-  [[nodiscard]] MEDUSA_HOST_DEVICE constexpr const kv_extents& extents() const noexcept { return map_.extents; }
+  [[nodiscard]] MEDUSA_HOST_DEVICE constexpr const kv_extents& extents() const noexcept { return map_.extents(); }
   //! The layout mapping.
   [[nodiscard]] MEDUSA_HOST_DEVICE constexpr const mapping_type& mapping() const noexcept { return map_; }
   //! The accessor.
@@ -348,18 +374,42 @@ static_assert(std::is_trivially_copyable_v<kv_cache_view<float>>);
 static_assert(std::is_trivially_copyable_v<kv_cache_view<const half>>);
 static_assert(std::is_trivially_copyable_v<paged_kv_cache_view<bfloat16>>);
 
-//! True for `kv_cache_view` specialisations with the default accessor and a supported element type,
-//! the views the algorithms of this library accept.
-template <class V>
-inline constexpr bool is_kv_cache_view_v = false;
-//! @cond
-template <class T, class L>
-inline constexpr bool is_kv_cache_view_v<kv_cache_view<T, L, kv_default_accessor<T>>> = is_kv_element_v<T>;
-//! @endcond
+//! A layout mapping of a KV cache: where row (layer, slot, kv_head) starts. Required:
+//! - `extents()`: the `kv_extents` (layers, KV heads, head_dim);
+//! - `slots()`: the slots addressable now (the capacity, or what a block table maps);
+//! - `offset(layer, slot, head)`: element offset of the row's first element; a row is `head_dim`
+//!   contiguous elements.
+//! Optional, detected with `requires`:
+//! - `heads_contiguous()`: true when the heads of one slot are one contiguous run (the commit then
+//!   moves a slot in one copy);
+//! - `validate_slots(begin, end, request)`: throws `kv_cache_error` unless slots `[begin, end)`
+//!   can be addressed (e.g. a block table entry outside the pool); without it the check is
+//!   `end <= slots()`.
+//! `layout_kv_strided::mapping` and `layout_kv_paged::mapping` are two models; an engine's own
+//! layout (say `[layer][page][kv_head][slot][dim]` with its block tables) is a third.
+template <class M>
+concept kv_layout_mapping = std::copyable<M> && requires(const M& m, int i) {
+  { m.extents() } -> std::convertible_to<kv_extents>;
+  { m.slots() } -> std::convertible_to<int>;
+  { m.offset(i, i, i) } -> std::convertible_to<std::size_t>;
+};
 
-//! Concept form of `is_kv_cache_view_v`.
+//! A `kv_cache_view` the library's algorithms accept: element type `float`, `half` or `bfloat16`
+//! (const for read-only views), any `kv_layout_mapping`, and the default (pointer) accessor.
 template <class V>
-concept kv_view = is_kv_cache_view_v<std::remove_cvref_t<V>>;
+concept kv_view = requires {
+  typename V::element_type;
+  typename V::mapping_type;
+  typename V::accessor_type;
+} && is_kv_element_v<typename V::element_type> && kv_layout_mapping<typename V::mapping_type> &&
+                  std::same_as<typename V::accessor_type, kv_default_accessor<typename V::element_type>> &&
+                  std::same_as<V, kv_cache_view<typename V::element_type, typename V::layout_type,
+                                                typename V::accessor_type>>;
+
+//! A `kv_view` whose elements may be written: what the commit and the decoder need (a view of
+//! `const` elements is read-only: attention only).
+template <class V>
+concept writable_kv_view = kv_view<V> && !std::is_const_v<typename V::element_type>;
 
 //! A contiguous view over caller buffers holding `[layers][capacity][heads][dim]` (NHD) or
 //! `[layers][heads][capacity][dim]` (HND). Throws `kv_cache_error` if a buffer is too small.
@@ -455,38 +505,18 @@ template <class T, class A>
 
 namespace detail {
 
-// Checks that slots [0, end) are addressable and (paged) that their pages exist in the pool.
-template <class T, class A>
-void kv_check_slots(const kv_cache_view<T, layout_kv_strided, A>& kv, int end, int request) {
-  if (end > kv.capacity())
-    kv_fail(kv_errc::capacity_exceeded,
-            "slots up to " + std::to_string(end) + " needed, capacity is " + std::to_string(kv.capacity()), request);
-}
-template <class T, class A>
-void kv_check_slots(const kv_cache_view<T, layout_kv_paged, A>& kv, int end, int request, int begin = 0) {
-  const auto& m = kv.mapping();
-  const int blocks = end / m.page_size + (end % m.page_size != 0 ? 1 : 0);
-  if (blocks > m.num_blocks)
-    kv_fail(kv_errc::block_table_too_short,
-            "slots up to " + std::to_string(end) + " need " + std::to_string(blocks) + " blocks of " +
-                std::to_string(m.page_size) + ", the block table maps " + std::to_string(m.num_blocks),
-            request);
-  for (int b = begin / m.page_size; b < blocks; ++b) {
-    const std::int32_t page = m.block_table[b];
-    if (page < 0 || page >= m.num_pages)
-      kv_fail(kv_errc::invalid_block,
-              "block table entry " + std::to_string(b) + " is page " + std::to_string(page) + ", the pool has " +
-                  std::to_string(m.num_pages) + " pages",
-              request);
-  }
-}
-
+// Checks that slots [begin, end) are addressable: the mapping's own check when it has one,
+// else the capacity.
 template <class View>
 void kv_check_range(const View& kv, int begin, int end, int request) {
-  if constexpr (std::is_same_v<typename View::layout_type, layout_kv_paged>)
-    kv_check_slots(kv, end, request, begin);
-  else
-    kv_check_slots(kv, end, request);
+  const auto& m = kv.mapping();
+  if constexpr (requires { m.validate_slots(begin, end, request); }) {
+    m.validate_slots(begin, end, request);
+  } else {
+    if (end > kv.capacity())
+      kv_fail(kv_errc::capacity_exceeded,
+              "slots up to " + std::to_string(end) + " needed, capacity is " + std::to_string(kv.capacity()), request);
+  }
 }
 
 inline std::string kv_path_string(std::span<const int> path) {
@@ -524,20 +554,7 @@ inline void kv_check_path(int L, int N, std::span<const int> path, int request) 
   }
 }
 
-template <class View>
-void kv_require_algorithm_view() {
-  static_assert(kv_view<View>,
-                "medusa: the KV algorithms need a kv_cache_view of float, half or bfloat16 with kv_default_accessor");
-}
-
 }  // namespace detail
-
-//! A tree as seen by the KV commit: node count and parents (satisfied by `medusa::tree`).
-template <class Tree>
-concept kv_tree = requires(const Tree& t, int i) {
-  { t.num_nodes() } -> std::convertible_to<int>;
-  { t.parent(i) } -> std::convertible_to<int>;
-};
 
 //! Checks before a tree pass that `num_tree_nodes` rows can be appended at `committed_length`:
 //! `L + N <= capacity` and, for paged views, the block table maps those slots to valid pages.
@@ -558,14 +575,15 @@ void kv_check_append(const View& kv, int committed_length, int num_tree_nodes) {
 namespace detail {
 
 // Sequential ascending moves: safe in place because path[j] >= j and the path is strictly
-// increasing, so a slot is never written before it has been read (spec §6).
+// increasing, so a slot is never written before it has been read.
 template <class View>
 void kv_commit_unchecked(const View& kv, int L, std::span<const int> path) {
   using T = typename View::value_type;
   const int layers = kv.num_layers();
   const int heads = kv.num_kv_heads();
   const std::size_t row_bytes = static_cast<std::size_t>(kv.head_dim()) * sizeof(T);
-  const bool whole_slot = kv.mapping().heads_contiguous();
+  bool whole_slot = heads == 1;
+  if constexpr (requires { kv.mapping().heads_contiguous(); }) whole_slot = kv.mapping().heads_contiguous();
   for (int layer = 0; layer < layers; ++layer) {
     for (std::size_t j = 1; j < path.size(); ++j) {
       const int src = L + path[j];
@@ -604,7 +622,7 @@ void kv_validate_tree_path(const Tree& tree, std::span<const int> path, int requ
 
 }  // namespace detail
 
-//! Commits the accepted path of one request (spec §6) and returns the new length `L + A + 1`.
+//! Commits the accepted path of one request and returns the new length `L + A + 1`.
 //!
 //! For every layer, KV head, K and V: `slot[L + j] <- slot[L + path[j]]` for `j = 0..A`
 //! (`A = path.size() - 1`), in place.
@@ -613,7 +631,7 @@ void kv_validate_tree_path(const Tree& tree, std::span<const int> path, int requ
 //! @param num_tree_nodes   `N`; the tree pass wrote slots `[L, L+N)`
 //! @param path             `nodes[0..A]`: starts at 0, strictly increasing, every node `< N`
 //! @throws kv_cache_error on any invalid argument, before touching memory.
-template <kv_view View>
+template <writable_kv_view View>
 int kv_commit(const View& kv, int committed_length, int num_tree_nodes, std::span<const int> path) {
   detail::kv_validate_commit(kv, committed_length, num_tree_nodes, path, -1);
   detail::kv_commit_unchecked(kv, committed_length, path);
@@ -621,7 +639,7 @@ int kv_commit(const View& kv, int committed_length, int num_tree_nodes, std::spa
 }
 
 //! @overload Also checks that `path` is a root path of `tree` (`N = tree.num_nodes()`).
-template <kv_view View, kv_tree Tree>
+template <writable_kv_view View, tree_topology Tree>
 int kv_commit(const View& kv, int committed_length, const Tree& tree, std::span<const int> path) {
   const int n = static_cast<int>(tree.num_nodes());
   detail::kv_validate_commit(kv, committed_length, n, path, -1);
@@ -640,7 +658,7 @@ struct kv_commit_request {
 //! Commits a batch: request `b` uses `views[b]` (each its own contiguous slice or block table over
 //! a shared pool). All requests are validated first; on any error nothing is written and the
 //! `kv_cache_error` names the request (`request()`). Writes `L_b + A_b + 1` to `new_lengths[b]`.
-template <kv_view View>
+template <writable_kv_view View>
 void kv_commit_batch(std::span<const View> views, std::span<const kv_commit_request> requests,
                      std::span<int> new_lengths) {
   if (views.size() != requests.size() || new_lengths.size() != requests.size())
@@ -657,7 +675,7 @@ void kv_commit_batch(std::span<const View> views, std::span<const kv_commit_requ
 }
 
 //! @overload for a vector of views.
-template <kv_view View>
+template <writable_kv_view View>
 void kv_commit_batch(const std::vector<View>& views, std::span<const kv_commit_request> requests,
                      std::span<int> new_lengths) {
   kv_commit_batch(std::span<const View>(views), requests, new_lengths);

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU tree attention against a naive double-precision reference for every layout and dtype, and
 // against running each root-to-node path as its own causal sequence. test_attention_portable.cpp
-// includes this file with MEDUSA_ATTENTION_PORTABLE defined, to cover the non-SIMD path too.
+// includes this file with MEDUSA_PORTABLE_KERNELS defined, to cover the non-SIMD path too.
 #include <medusa/attention.hpp>
 #include <medusa/kv_cache.hpp>
 
@@ -115,7 +115,7 @@ void check_view(const View& kv, const config& c, std::mt19937& rng) {
   const auto words = packed_mask(parents, wpr);
   const int layer = c.layers - 1;
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.dim));
-  medusa::tree_attention(kv, layer, c.L, q, c.n, hq, medusa::packed_tree_mask{words, wpr}, out);
+  medusa::tree_attention(kv, layer, c.L, q, c.n, hq, medusa::tree_mask_view{words, wpr}, out);
   check_close(out, reference(kv, layer, c.L, q, c.n, hq, [&](int i, int j) { return visible(words, wpr, i, j); }, scale));
   medusa::causal_attention(kv, 0, c.L, q, c.n, hq, out, medusa::attention_options{0.3f});
   check_close(out, reference(kv, 0, c.L, q, c.n, hq, [](int i, int j) { return j <= i; }, 0.3f));
@@ -185,7 +185,7 @@ TEST_CASE("tree attention equals each root-to-node path run as its own causal se
     const auto kv = medusa::make_kv_view<float>(k, v, kv_extents{1, hkv, D}, cap, kv_layout::hnd);
     std::vector<float> q(static_cast<std::size_t>(n * hq * D)), out(q.size());
     fill_random(q, rng);
-    medusa::tree_attention(kv, 0, L, q, n, hq, medusa::packed_tree_mask{words, wpr}, out);
+    medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{words, wpr}, out);
     for (int node = 0; node < n; ++node) {
       std::vector<int> path;
       for (int u = node; u >= 0; u = parents[static_cast<std::size_t>(u)]) path.push_back(u);
@@ -225,22 +225,22 @@ TEST_CASE("a caller-provided parallel-for gives the same bits as the sequential 
     const auto words = packed_mask(parents, 2);
     std::vector<float> q(static_cast<std::size_t>(n * hq * D)), a(q.size()), b(q.size());
     fill_random(q, rng);
-    medusa::tree_attention(kv, 0, L, q, n, hq, medusa::packed_tree_mask{words, 2}, a);
+    medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{words, 2}, a);
     int calls = 0;
-    auto two_threads = [&calls](int count, auto&& body) {
-      calls = count;
+    auto two_threads = [&calls](std::size_t count, auto&& body) {
+      calls = static_cast<int>(count);
       std::thread t([&] {
-        for (int i = 0; i < count; i += 2) body(i);
+        for (std::size_t i = 0; i < count; i += 2) body(i);
       });
-      for (int i = 1; i < count; i += 2) body(i);
+      for (std::size_t i = 1; i < count; i += 2) body(i);
       t.join();
     };
-    medusa::tree_attention(kv, 0, L, q, n, hq, medusa::packed_tree_mask{words, 2}, b, {}, two_threads);
+    medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{words, 2}, b, {}, two_threads);
     CHECK(calls >= hkv);
     CHECK(a == b);
     // in place: out aliases the queries
     std::vector<float> inplace = q;
-    medusa::tree_attention(kv, 0, L, std::span<const float>(inplace), n, hq, medusa::packed_tree_mask{words, 2},
+    medusa::tree_attention(kv, 0, L, std::span<const float>(inplace), n, hq, medusa::tree_mask_view{words, 2},
                            std::span<float>(inplace));
     CHECK(inplace == a);
   }
@@ -251,7 +251,7 @@ TEST_CASE("queries that see nothing get zeros; extra mask bits beyond N are igno
   const auto kv = medusa::make_kv_view<float>(k, v, kv_extents{1, 1, 8}, 4);
   const std::uint32_t words[] = {0x0u, 0xFFFFFFFEu};  // node 0 sees nothing; node 1 sees 1 (+ junk bits)
   std::vector<float> q(2 * 8, 0.5f), out(q.size(), 9.0f);
-  medusa::tree_attention(kv, 0, 0, q, 2, 1, medusa::packed_tree_mask{words, 1}, out);
+  medusa::tree_attention(kv, 0, 0, q, 2, 1, medusa::tree_mask_view{words, 1}, out);
   for (int d = 0; d < 8; ++d) {
     CHECK(out[static_cast<std::size_t>(d)] == 0.0f);
     CHECK(out[static_cast<std::size_t>(8 + d)] == doctest::Approx(2.0f));
@@ -263,7 +263,7 @@ TEST_CASE("bad input: typed errors, output untouched") {
   std::vector<float> k(2 * 10 * 2 * 8), v(k.size());
   const auto kv = medusa::make_kv_view<float>(k, v, kv_extents{2, 2, 8}, 10);
   const std::uint32_t words[] = {0x1u, 0x3u, 0x5u};
-  const medusa::packed_tree_mask mask{words, 1};
+  const medusa::tree_mask_view mask{words, 1};
   std::vector<float> q(3 * 4 * 8, 0.1f), out(q.size(), 5.0f);
   auto expect = [&](kv_errc code, auto&& call) {
     try {
@@ -279,9 +279,9 @@ TEST_CASE("bad input: typed errors, output untouched") {
   expect(kv_errc::invalid_shape, [&] { medusa::tree_attention(kv, 0, 0, q, 4, 3, mask, out); });  // 3 % 2
   expect(kv_errc::size_mismatch, [&] { medusa::tree_attention(kv, 0, 0, q, 2, 4, mask, out); });
   expect(kv_errc::size_mismatch,
-         [&] { medusa::tree_attention(kv, 0, 0, q, 3, 4, medusa::packed_tree_mask{std::span(words, 2), 1}, out); });
+         [&] { medusa::tree_attention(kv, 0, 0, q, 3, 4, medusa::tree_mask_view{std::span(words, 2), 1}, out); });
   expect(kv_errc::size_mismatch,
-         [&] { medusa::tree_attention(kv, 0, 0, q, 3, 4, medusa::packed_tree_mask{words, 0}, out); });
+         [&] { medusa::tree_attention(kv, 0, 0, q, 3, 4, medusa::tree_mask_view{words, 0}, out); });
   expect(kv_errc::capacity_exceeded, [&] { medusa::tree_attention(kv, 0, 8, q, 3, 4, mask, out); });
   expect(kv_errc::invalid_length, [&] { medusa::tree_attention(kv, 0, -1, q, 3, 4, mask, out); });
   expect(kv_errc::invalid_shape, [&] {
@@ -303,19 +303,22 @@ TEST_CASE("bad input: typed errors, output untouched") {
 }
 
 namespace {
-struct toy_tree {  // the tree_like subset tree_attention uses
+struct toy_tree {  // a masked_tree of its own, without mask_view(): the overload packs the words
   std::vector<int> parents;
   [[nodiscard]] int num_nodes() const { return static_cast<int>(parents.size()); }
+  [[nodiscard]] int parent(int i) const { return parents[static_cast<std::size_t>(i)]; }
   [[nodiscard]] int words_per_row() const { return (num_nodes() + 31) / 32; }
   [[nodiscard]] std::uint32_t packed_mask_word(int row, int word) const {
     return packed_mask(parents, words_per_row())[static_cast<std::size_t>(row * words_per_row() + word)];
   }
+  [[nodiscard]] bool mask(int q, int k) const { return ((packed_mask_word(q, k / 32) >> (k % 32)) & 1u) != 0; }
 };
+static_assert(medusa::masked_tree<toy_tree> && !medusa::tree_like<toy_tree>);
 }  // namespace
 
 TEST_CASE("the tree overload reads the mask through the tree interface") {
   std::mt19937 rng(8);
-  const toy_tree t{{-1, 0, 0, 1, 1, 1, 2, 2, 2}};  // the spec §2.3 tree
+  const toy_tree t{{-1, 0, 0, 1, 1, 1, 2, 2, 2}};  // the worked example of docs/tree.md
   CHECK(t.packed_mask_word(8, 0) == 0x105u);
   CHECK(t.packed_mask_word(3, 0) == 0x00Bu);
   const int L = 12, n = 9, hq = 4, D = 16;
@@ -327,7 +330,7 @@ TEST_CASE("the tree overload reads the mask through the tree interface") {
   fill_random(q, rng);
   medusa::tree_attention(kv, 0, L, q, hq, t, a);
   const auto words = packed_mask(t.parents, 1);
-  medusa::tree_attention(kv, 0, L, q, n, hq, medusa::packed_tree_mask{words, 1}, b);
+  medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{words, 1}, b);
   CHECK(a == b);
 }
 

@@ -6,12 +6,14 @@
 //! Every kernel walks the row in blocks of 16 lanes with one accumulator per lane. Without
 //! -ffast-math a compiler may not reorder a floating-point reduction, so a plain `sum += x[i]`
 //! loop stays scalar; per-lane accumulators make the vector form legal and the result
-//! deterministic for a given row length. `exp2` and `log` are polynomial versions that the
-//! compiler can vectorise (libm calls cannot be); both are accurate to a few float ulp, which is
-//! what the spec asks ("≥ fp32 arithmetic"). Sums are accumulated in double.
+//! deterministic for a given row length. `exp2` (detail/exp2.hpp) and `log` are polynomial
+//! versions that the compiler can vectorise (libm calls cannot be); both are accurate to a few
+//! float ulp, at least float32 arithmetic as the acceptance rules require. Sums are accumulated in
+//! double.
 #pragma once
 
 #include <medusa/config.hpp>
+#include <medusa/detail/exp2.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -27,27 +29,6 @@ inline constexpr int row_lanes = 16;
 //! Elements per block: kernels map a block into a local buffer (a loop the compiler vectorises),
 //! then fold it into per-lane accumulators (an element-wise update, vectorised too).
 inline constexpr std::size_t row_block = 64;
-
-//! 2^t for t <= 0 (t < -126 gives 0): range reduction to [-1/2, 1/2] plus a degree-7 Taylor
-//! polynomial (truncation error 5e-9, below float rounding). Branch-free, so loops over it
-//! vectorise: below -126.5 the exponent field clamps to 0 and the scale factor is exactly 0.
-inline float exp2_nonpos(float t) noexcept {
-  const float tc = std::max(t, -127.0f);
-  // Round to nearest with the 1.5·2^23 trick: exact for |tc| < 2^22, and vectorises everywhere.
-  const float n = (tc + 12582912.0f) - 12582912.0f;
-  const float f = tc - n;
-  float p = 1.525273380405984e-05f;
-  p = p * f + 1.540353039338161e-04f;
-  p = p * f + 1.333355814642844e-03f;
-  p = p * f + 9.618129107628477e-03f;
-  p = p * f + 5.550410866482158e-02f;
-  p = p * f + 2.402265069591007e-01f;
-  p = p * f + 6.931471805599453e-01f;
-  p = p * f + 1.0f;
-  const std::int32_t e = std::max(static_cast<std::int32_t>(n) + 127, std::int32_t{0});  // [0, 127]
-  const float scale = std::bit_cast<float>(static_cast<std::uint32_t>(e) << 23);
-  return p * scale;
-}
 
 //! Natural log of a positive normal float: exponent split plus the atanh series of the mantissa
 //! reduced to [1/√2, √2] (series error < 1e-9).
@@ -138,7 +119,7 @@ struct softmax_stats {
 namespace row_detail {
 // exp((x - max)/T) of one block into e[0, len).
 inline void exp_block(const float* x, std::size_t len, float max, float k, float* e) noexcept {
-  for (std::size_t j = 0; j < len; ++j) e[j] = exp2_nonpos((x[j] - max) * k);
+  for (std::size_t j = 0; j < len; ++j) e[j] = exp2_approx((x[j] - max) * k);
 }
 inline double fold(const double* acc) noexcept {
   double s = 0.0;
@@ -214,7 +195,7 @@ inline constexpr int top_k_insertion_limit = 64;
 //! common case costs one vector compare per 16 logits. Large k: a binary heap, O(n log k).
 inline void top_k_ids(const float* x, std::size_t n, int k, std::int32_t* ids) noexcept {
   if (k <= top_k_insertion_limit) {
-    float vals[top_k_insertion_limit];
+    float vals[top_k_insertion_limit] = {};
     int size = 0;
     auto insert = [&](float v, std::int32_t id) {
       // Insert after every kept value >= v: those have lower ids when equal (ascending scan).

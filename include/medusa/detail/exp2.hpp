@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file detail/exp2.hpp
+//! The library's one `2^t`: range reduction to `t = n + f`, `|f| <= 1/2`, then a degree-7 Taylor
+//! polynomial of `2^f` (truncation error 5e-9, below float rounding) scaled by `2^n` through the
+//! exponent bits. `t` is clamped to [-127, 127]: results below 2^-126.5 are exactly 0 (softmax
+//! weights far below the maximum), NaN gives 0. The scalar form is branch-free, so loops over it
+//! vectorise without -ffast-math (a libm call cannot); the AVX-512 form computes the same
+//! polynomial sixteen lanes at a time. `exp(x) = exp2(x · log2 e)`.
+#pragma once
+
+#include <medusa/config.hpp>
+
+#include <cstdint>
+
+#if MEDUSA_ISA_AVX512
+#include <immintrin.h>
+#endif
+
+MEDUSA_NAMESPACE_BEGIN
+
+namespace detail {
+
+inline constexpr float exp2_c7 = 1.525273380405984e-05f;
+inline constexpr float exp2_c6 = 1.540353039338161e-04f;
+inline constexpr float exp2_c5 = 1.333355814642844e-03f;
+inline constexpr float exp2_c4 = 9.618129107628477e-03f;
+inline constexpr float exp2_c3 = 5.550410866482158e-02f;
+inline constexpr float exp2_c2 = 2.402265069591007e-01f;
+inline constexpr float exp2_c1 = 6.931471805599453e-01f;
+//! log2(e), to turn exp(x) into exp2(x · log2e).
+inline constexpr float log2e = 1.44269504088896341f;
+
+MEDUSA_ISA_NAMESPACE_BEGIN
+//! 2^t (see the file comment).
+inline float exp2_approx(float t) noexcept {
+  const float tc = t > -127.0f ? (t < 127.0f ? t : 127.0f) : -127.0f;  // NaN -> -127
+  // Round to nearest with the 1.5·2^23 trick: exact for |tc| < 2^22, and vectorises everywhere.
+  const float n = (tc + 12582912.0f) - 12582912.0f;
+  const float f = tc - n;
+  float p = exp2_c7;
+  p = p * f + exp2_c6;
+  p = p * f + exp2_c5;
+  p = p * f + exp2_c4;
+  p = p * f + exp2_c3;
+  p = p * f + exp2_c2;
+  p = p * f + exp2_c1;
+  p = p * f + 1.0f;
+  const auto e = static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127);  // [0, 254]; 0 gives 0
+  return p * __builtin_bit_cast(float, e << 23);
+}
+
+#if MEDUSA_ISA_AVX512
+//! 2^t on sixteen lanes, the same polynomial as the scalar form.
+inline __m512 exp2_approx(__m512 t) noexcept {
+  // Masked forms with an explicit source: the plain intrinsics pass _mm512_undefined_ps() and
+  // trip g++ 12's -Wmaybe-uninitialized under -Werror.
+  constexpr auto all = static_cast<__mmask16>(0xFFFF);
+  const __m512 lo = _mm512_set1_ps(-127.0f);
+  const __m512 tc = _mm512_mask_min_ps(lo, all, _mm512_mask_max_ps(lo, all, t, lo), _mm512_set1_ps(127.0f));
+  const __m512 n = _mm512_mask_roundscale_ps(tc, all, tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(tc, n);
+  __m512 p = _mm512_set1_ps(exp2_c7);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(exp2_c6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(exp2_c5));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(exp2_c4));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(exp2_c3));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(exp2_c2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(exp2_c1));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i e = _mm512_add_epi32(_mm512_mask_cvtps_epi32(zero, all, n), _mm512_set1_epi32(127));
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_mask_slli_epi32(zero, all, e, 23)));
+}
+#endif
+MEDUSA_ISA_NAMESPACE_END
+
+}  // namespace detail
+
+MEDUSA_NAMESPACE_END
