@@ -8,6 +8,8 @@
 // Set MEDUSA_SHARED_DIR to point elsewhere; skipped when the model is absent.
 #include <medusa_llama/llama.hpp>
 
+#include <medusa/candidates.hpp>
+
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -92,9 +94,8 @@ void BM_decode(benchmark::State& state) {
   int tok = 300;
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    e.truncate(kContext);
     e.decode(tok, kContext, logits);
-    tok = 259 + argmax(logits) % 1789;
+    tok = 259 + medusa::argmax(logits) % 1789;
   }
   const double per_token = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
                            static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
@@ -142,19 +143,23 @@ void BM_tree_step(benchmark::State& state) {
   e.prefill(context_tokens(), 0, last, {});
   std::vector<int> depth;
   const auto mask = random_tree(n, depth);
-  std::vector<int> tok(static_cast<std::size_t>(n)), pos(tok.size()), slot(tok.size()), rows(tok.size());
+  std::vector<int> tok(static_cast<std::size_t>(n)), pos(tok.size());
   for (int i = 0; i < n; ++i) {
     const auto u = static_cast<std::size_t>(i);
     tok[u] = 259 + (i * 37) % 1789;
     pos[u] = kContext + depth[u];
-    slot[u] = kContext + i;
-    rows[u] = i;
   }
   std::vector<float> logits(static_cast<std::size_t>(n) * V), hidden(static_cast<std::size_t>(n) * static_cast<std::size_t>(m->config().dim));
+  medusa::forward_batch batch;
+  batch.tokens = tok;
+  batch.positions = pos;
+  batch.cache_length = kContext;
+  batch.tree_mask = {mask, (n + 31) / 32};
+  batch.logits = logits;
+  batch.hidden = hidden;
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    e.truncate(kContext);
-    e.forward(tok, pos, slot, mask_source::tree(kContext, mask), {rows, logits, hidden});
+    e.forward(batch);
     benchmark::DoNotOptimize(logits.data());
   }
   const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /

@@ -3,8 +3,9 @@
 //! `medusa-accept [--input PATH]`: runs greedy or typical acceptance on one tree step given as
 //! JSON (stdin without --input) and prints `{"best_path":…, "accept_length":…,
 //! "accepted_nodes":[…]}`. The contract is in ../shared/conformance/README.md. Bad input: exit 2
-//! and one line on stderr.
+//! and one line on stderr. An absent "temperature" is 0.7 (`medusa::policy_options`).
 #include <medusa/acceptance.hpp>
+#include <medusa/dispatch.hpp>
 #include <medusa/tree.hpp>
 
 #include "tool_common.hpp"
@@ -27,6 +28,9 @@ namespace {
 
 using json = nlohmann::json;
 using medusa_tools::usage_error;
+
+// The deterministic policies of the tool contract.
+using accept_policies = medusa::policy_list<medusa::greedy_policy, medusa::typical_policy>;
 
 std::string read_all(const std::string& path) {
   if (path.empty()) {
@@ -96,15 +100,13 @@ int run(const std::string& input_path) {
   const json& pol = field(in, "policy");
   if (!pol.is_string()) throw usage_error("\"policy\" must be \"greedy\" or \"typical\"");
   const std::string policy = pol.get<std::string>();
-  if (policy != "greedy" && policy != "typical")
-    throw usage_error("\"policy\" must be \"greedy\" or \"typical\", got \"" + policy + "\"");
-
-  medusa::typical_policy typical;
-  if (in.contains("temperature")) typical.temperature = to_float(in["temperature"], "\"temperature\"");
+  medusa::policy_options popt;
+  if (in.contains("temperature")) popt.temperature = to_float(in["temperature"], "\"temperature\"");
   if (in.contains("posterior_threshold"))
-    typical.posterior_threshold = to_float(in["posterior_threshold"], "\"posterior_threshold\"");
-  if (in.contains("posterior_alpha"))
-    typical.posterior_alpha = to_float(in["posterior_alpha"], "\"posterior_alpha\"");
+    popt.posterior_threshold = to_float(in["posterior_threshold"], "\"posterior_threshold\"");
+  if (in.contains("posterior_alpha")) popt.posterior_alpha = to_float(in["posterior_alpha"], "\"posterior_alpha\"");
+  // Checked before the (possibly large) logits are read.
+  medusa::dispatch_policy(policy, popt, [](const auto&) {}, accept_policies{});
 
   const json& tokens_json = field(in, "node_tokens");
   if (!tokens_json.is_array()) throw usage_error("\"node_tokens\" must be a list of integers");
@@ -147,8 +149,8 @@ int run(const std::string& input_path) {
   const medusa::verify_request req{.node_tokens = tokens, .logits = logits,
                                    .vocab = static_cast<int>(vocab)};
   medusa::acceptance_workspace ws(n, static_cast<int>(vocab));
-  const medusa::verify_result r = policy == "greedy" ? medusa::verify(t, req, medusa::greedy_policy{}, ws)
-                                                     : medusa::verify(t, req, typical, ws);
+  const medusa::verify_result r = medusa::dispatch_policy(
+      policy, popt, [&](const auto& p) { return medusa::verify(t, req, p, ws); }, accept_policies{});
   std::string out = fmt::format("{{\"best_path\": {}, \"accept_length\": {}, \"accepted_nodes\": [",
                                 r.best_row, r.accept_length);
   for (std::size_t j = 0; j < r.nodes().size(); ++j)

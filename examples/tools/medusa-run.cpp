@@ -7,9 +7,10 @@
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights int8|bf16|f32]
 //              [--threads N] [--json]
+#include <medusa/dispatch.hpp>
+#include <medusa/io.hpp>
 #include <medusa/medusa.hpp>
 
-#include <medusa_llama/decoder_model.hpp>
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/load.hpp>
 #include <medusa_llama/packed_heads.hpp>
@@ -23,28 +24,29 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <optional>
-#include <sstream>
 #include <string>
+#include <type_traits>
 #include <unistd.h>
-#include <variant>
 #include <vector>
 
 namespace {
 
 using medusa_tools::usage_error;
 
+enum class run_mode { vanilla, medusa, both };
+
 struct run_args {
-  std::string model, tokenizer, heads, tree = "mc_sim_7b_63", policy = "greedy", prompt, prompt_file,
-      mode = "medusa";
-  bool prompt_given = false;
-  float temperature = -1.0f;  // < 0: the policy's default
+  std::string model, tokenizer, heads, tree = "mc_sim_7b_63", policy = "greedy", prompt, prompt_file;
+  run_mode mode = run_mode::medusa;
+  std::optional<float> temperature;  // unset: the policy's default
   float top_p = 1.0f;
   std::uint64_t seed = 0;
   int max_new_tokens = 256;
   int threads = 0;
-  std::string weights = "f32";
-  std::string head_weights = "int8";
+  medusa_llama::weight_format weights = medusa_llama::weight_format::f32;
+  medusa_llama::weight_format head_weights = medusa_llama::weight_format::int8;
   bool json = false;
 };
 
@@ -122,17 +124,18 @@ nlohmann::json to_json(const run_report& r) {
   return j;
 }
 
+// The policies medusa-run offers (speculative_policy needs draft distributions it has none of).
+using run_policies = medusa::policy_list<medusa::greedy_policy, medusa::typical_policy, medusa::rejection_policy>;
+
 int run(const run_args& a) {
-  if (a.mode != "vanilla" && a.mode != "medusa" && a.mode != "both")
-    throw usage_error("--mode must be vanilla, medusa or both, got " + a.mode);
-  if (a.policy != "greedy" && a.policy != "typical" && a.policy != "rejection")
-    throw usage_error("--policy must be greedy, typical or rejection, got " + a.policy);
   if (a.max_new_tokens < 0) throw usage_error("--max-new-tokens must be >= 0");
-  if (a.weights != "f32" && a.weights != "bf16") throw usage_error("--weights must be f32 or bf16, got " + a.weights);
-  if (a.head_weights != "f32" && a.head_weights != "bf16" && a.head_weights != "int8")
-    throw usage_error("--head-weights must be f32, bf16 or int8, got " + a.head_weights);
   if (!a.prompt.empty() && !a.prompt_file.empty()) throw usage_error("give --prompt or --prompt-file, not both");
-  const bool want_medusa = a.mode != "vanilla";
+  const bool want_medusa = a.mode != run_mode::vanilla;
+  medusa::policy_options popt;
+  popt.temperature = a.temperature;
+  popt.top_p = a.top_p;
+  // An unknown policy name is reported before the slow parts start.
+  medusa::dispatch_policy(a.policy, popt, [](const auto&) {}, run_policies{});
 
   // Everything that can be checked is checked before the slow parts start.
   std::optional<medusa::tree> tree;
@@ -150,7 +153,8 @@ int run(const run_args& a) {
   medusa::head_weights head_w;
   if (want_medusa) {
     if (a.heads.empty())
-      throw usage_error("--mode " + a.mode + " needs --heads (a heads file or directory, or random:K[:SEED])");
+      throw usage_error("--mode " + std::string(a.mode == run_mode::both ? "both" : "medusa") +
+                        " needs --heads (a heads file or directory, or random:K[:SEED])");
     if (a.heads.rfind("random:", 0) == 0) {
       head_w = parse_random_heads(a.heads, lm.weights);
     } else {
@@ -172,22 +176,18 @@ int run(const run_args& a) {
   eo.threads = a.threads;
   eo.max_batch = std::max(64, want_medusa ? tree->num_nodes() : 1);
   eo.backend = medusa_llama::gemm_backend::builtin;
-  eo.weights = a.weights == "bf16" ? medusa_llama::weight_format::bf16 : medusa_llama::weight_format::f32;
-  medusa_llama::engine engine(std::move(lm.weights), eo);
-  medusa_llama::decoder_model model(engine);
+  eo.weights = a.weights;
+  medusa_llama::engine model(std::move(lm.weights), eo);
   // The heads run on the engine's kernels and threads. Their precision only changes which drafts
   // are proposed (the model verifies every one), so int8 is the default.
   std::optional<medusa_llama::packed_heads> heads;
   if (want_medusa) {
     const auto stack = head_w.kind() == medusa::projection_kind::per_head
                            ? head_w.view()
-                           : head_w.view(medusa::weight_ptr::of(engine.weights().classifier()),
+                           : head_w.view(medusa::weight_ptr::of(model.weights().classifier()),
                                          static_cast<std::size_t>(cfg.vocab_size));
     // Only the heads the tree reaches run.
-    const auto head_format = a.head_weights == "f32"    ? medusa_llama::weight_format::f32
-                             : a.head_weights == "int8" ? medusa_llama::weight_format::int8
-                                                        : medusa_llama::weight_format::bf16;
-    heads.emplace(engine, stack, head_format, tree->depth());
+    heads.emplace(model, stack, a.head_weights, tree->depth());
   }
 
   medusa::decode_options dopt;
@@ -200,7 +200,7 @@ int run(const run_args& a) {
   auto run_policy = [&](auto policy) {
     std::vector<run_report> reports;
     auto one = [&](const std::string& mode) {
-      if (stream && a.mode == "both") std::printf("--- %s ---\n", mode.c_str());
+      if (stream && a.mode == run_mode::both) std::printf("--- %s ---\n", mode.c_str());
       text_sink sink(*lm.tok, prompt.back(), stream);
       // A generated BOS starts a new document: stop there, as llama2.c's run.c does.
       auto on_token = [&](std::int32_t t) {
@@ -212,8 +212,11 @@ int run(const run_args& a) {
       if (mode == "vanilla") {
         r.result = medusa::generate_vanilla(model, prompt, policy, dopt, on_token);
       } else {
-        medusa::decoder dec(model, *heads, *tree, policy);
-        r.result = dec.generate(prompt, dopt, on_token);
+        // A preset runs on its compile-time tree, any other tree on the run-time one.
+        r.result = medusa::dispatch_tree(*tree, [&](const auto& t) {
+          medusa::decoder dec(model, *heads, t, policy);
+          return dec.generate(prompt, dopt, on_token);
+        });
       }
       r.text = sink.text();
       if (stream) {
@@ -223,8 +226,8 @@ int run(const run_args& a) {
       if (a.json) std::printf("%s\n", to_json(r).dump().c_str());
       reports.push_back(std::move(r));
     };
-    if (a.mode != "medusa") one("vanilla");
-    if (a.mode != "vanilla") one("medusa");
+    if (a.mode != run_mode::medusa) one("vanilla");
+    if (a.mode != run_mode::vanilla) one("medusa");
     if (stream) {
       for (const auto& r : reports) {
         const auto& s = r.result.stats;
@@ -240,24 +243,15 @@ int run(const run_args& a) {
                                    : 0.0;
         std::fprintf(stderr, "tokens identical: %s%s\nspeedup (medusa / vanilla tokens per second): %.2fx\n",
                      same ? "yes" : "no",
-                     a.policy == "greedy" ? "" : " (only greedy decoding is expected to match token for token)",
+                     std::is_same_v<decltype(policy), medusa::greedy_policy>
+                         ? ""
+                         : " (only greedy decoding is expected to match token for token)",
                      speedup);
       }
     }
   };
 
-  if (a.policy == "greedy") {
-    run_policy(medusa::greedy_policy{});
-  } else if (a.policy == "typical") {
-    medusa::typical_policy p;
-    p.temperature = a.temperature < 0 ? 0.7f : a.temperature;
-    run_policy(p);
-  } else {
-    medusa::rejection_policy p;
-    p.temperature = a.temperature < 0 ? 1.0f : a.temperature;
-    p.top_p = a.top_p;
-    run_policy(p);
-  }
+  medusa::dispatch_policy(a.policy, popt, run_policy, run_policies{});
   return medusa_tools::exit_ok;
 }
 
@@ -271,19 +265,29 @@ int main(int argc, char** argv) {
   app.add_option("--heads", a.heads, "heads file or directory (medusa-train output), or random:K[:SEED]");
   app.add_option("--tree", a.tree, "preset name, tree text ([[0],[0,0],...]) or a file")->capture_default_str();
   app.add_option("--policy", a.policy, "greedy | typical | rejection")->capture_default_str();
-  app.add_option("--temperature", a.temperature, "sampling temperature (typical: 0.7, rejection: 1.0 by default)");
+  app.add_option("--temperature", a.temperature, "temperature (default: typical 0.7, rejection 1.0)");
   app.add_option("--top-p", a.top_p, "nucleus mass for --policy rejection (1 = off)")->capture_default_str();
   app.add_option("--seed", a.seed, "random seed of the sampling policies")->capture_default_str();
   app.add_option("--prompt", a.prompt, "prompt text (\"\" = start from BOS alone)");
   app.add_option("--prompt-file", a.prompt_file, "read the prompt from a file");
   app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate")->capture_default_str();
-  app.add_option("--mode", a.mode, "vanilla | medusa | both")->capture_default_str();
+  const std::map<std::string, run_mode> modes{
+      {"vanilla", run_mode::vanilla}, {"medusa", run_mode::medusa}, {"both", run_mode::both}};
+  app.add_option("--mode", a.mode, "vanilla | medusa | both")
+      ->transform(CLI::CheckedTransformer(modes, CLI::ignore_case))
+      ->default_str("medusa");
   app.add_option("--threads", a.threads, "threads (0 = all cores)")->capture_default_str();
+  using medusa_llama::weight_format;
+  const std::map<std::string, weight_format> engine_formats{{"f32", weight_format::f32}, {"bf16", weight_format::bf16}};
+  const std::map<std::string, weight_format> head_formats{
+      {"f32", weight_format::f32}, {"bf16", weight_format::bf16}, {"int8", weight_format::int8}};
   app.add_option("--weights", a.weights, "engine weight format: f32 | bf16 (half the bytes, f32 arithmetic)")
-      ->capture_default_str();
+      ->transform(CLI::CheckedTransformer(engine_formats))
+      ->default_str("f32");
   app.add_option("--head-weights", a.head_weights,
                  "Medusa head weight format: int8 | bf16 | f32 (drafts only: the output does not depend on it)")
-      ->capture_default_str();
+      ->transform(CLI::CheckedTransformer(head_formats))
+      ->default_str("int8");
   app.add_flag("--json", a.json, "print one JSON line per run instead of streaming text");
   return medusa_tools::run_tool(app, argc, argv, [&] { return run(a); });
 }

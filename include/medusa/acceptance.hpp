@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 MEDUSA_NAMESPACE_BEGIN
@@ -89,6 +90,7 @@ inline void check_param(bool ok, const std::string& what) {
 //! Greedy acceptance (spec §5.2): a child passes iff its token is the argmax of the parent's raw
 //! logits (ties → lowest id). First row of maximal length wins.
 struct greedy_policy {
+  static constexpr std::string_view name = "greedy";  //!< name in `dispatch_policy` and the tools
   //! The parent's argmax.
   struct parent_state {
     std::int32_t argmax;
@@ -110,6 +112,7 @@ struct greedy_policy {
 //! ranked by the summed `ln q` of their accepted tokens. `temperature == 0` is greedy (as in the
 //! reference). The bonus is the argmax (the reference's default "fast" root).
 struct typical_policy {
+  static constexpr std::string_view name = "typical";  //!< name in `dispatch_policy` and the tools
   float temperature = 0.0f;           //!< T; 0 = greedy (spec default)
   float posterior_threshold = 0.09f;  //!< ε of the paper (spec default 0.09)
   float posterior_alpha = 0.3f;       //!< δ of the paper (spec default 0.3)
@@ -187,6 +190,7 @@ struct sampling_warp {
 //! children are tried in node order against the residual of the target; the bonus is drawn from
 //! the final residual. With T == 0 it is exactly greedy plus bonus = argmax.
 struct rejection_policy : sampling_warp {
+  static constexpr std::string_view name = "rejection";  //!< name in `dispatch_policy` and the tools
   static constexpr bool draft_distributions = false;
 };
 
@@ -197,6 +201,7 @@ struct rejection_policy : sampling_warp {
 //! speculative decoding; a tree whose tokens are sampled from the heads' softmax verifies
 //! losslessly too.
 struct speculative_policy : sampling_warp {
+  static constexpr std::string_view name = "speculative";  //!< name in `dispatch_policy` and the tools
   static constexpr bool draft_distributions = true;
 };
 
@@ -238,6 +243,10 @@ struct verify_result {
   }
 };
 
+namespace detail {
+struct workspace_access;
+}  // namespace detail
+
 //! Scratch memory of `verify`, sized once for a tree size and vocabulary; a call with larger
 //! sizes grows it (once), equal or smaller ones never allocate.
 class acceptance_workspace {
@@ -261,13 +270,30 @@ class acceptance_workspace {
     }
   }
 
-  // Internal scratch (public for the implementation in namespace detail; not an API).
-  std::vector<std::uint8_t> accepted_;  //!< @private per node: the node and its ancestry passed
-  std::vector<double> score_;           //!< @private per node: summed log-score of the path
-  std::vector<double> residual_;        //!< @private [vocab]: residual of rejection sampling
-  std::vector<std::int32_t> ids_;       //!< @private [vocab]: ranking for top-k / top-p
-  std::vector<std::uint64_t> keys_;     //!< @private [vocab]: sort keys for top-p selection
+  //! Nodes the scratch holds now.
+  [[nodiscard]] std::size_t node_capacity() const noexcept { return accepted_.size(); }
+  //! Vocabulary size the scratch holds now.
+  [[nodiscard]] std::size_t vocab_capacity() const noexcept { return residual_.size(); }
+
+ private:
+  friend struct detail::workspace_access;
+  std::vector<std::uint8_t> accepted_;  // per node: the node and its ancestry passed
+  std::vector<double> score_;           // per node: summed log-score of the path
+  std::vector<double> residual_;        // [vocab]: residual of rejection sampling
+  std::vector<std::int32_t> ids_;       // [vocab]: ranking for top-k / top-p
+  std::vector<std::uint64_t> keys_;     // [vocab]: sort keys for top-p selection
 };
+
+namespace detail {
+// The implementation's way into the workspace's scratch (the members are not an API).
+struct workspace_access {
+  static std::uint8_t* accepted(acceptance_workspace& w) noexcept { return w.accepted_.data(); }
+  static double* score(acceptance_workspace& w) noexcept { return w.score_.data(); }
+  static double* residual(acceptance_workspace& w) noexcept { return w.residual_.data(); }
+  static std::int32_t* ids(acceptance_workspace& w) noexcept { return w.ids_.data(); }
+  static std::uint64_t* keys(acceptance_workspace& w) noexcept { return w.keys_.data(); }
+};
+}  // namespace detail
 
 // ------------------------------------------------------------------------------------------------
 // Implementation
@@ -328,7 +354,7 @@ inline std::span<const float> checked_row(const verify_request& req, int u) {
 //! Fills nodes/tokens of `res` by walking up from `last` (depth `a`).
 template <tree_like Tree>
 void fill_path(const Tree& t, const verify_request& req, int last, verify_result& res) {
-  const int a = t.position(last);
+  const int a = t.node_depth(last);
   res.accept_length = a;
   res.next_node = last;
   for (int j = a, u = last; j >= 0; --j, u = t.parent(u)) {
@@ -360,8 +386,8 @@ verify_result verify_node_test(const Tree& t, const verify_request& req, const P
     { p.log_score(s, z, x) } -> std::convertible_to<double>;
   };
   const int n = t.num_nodes();
-  std::uint8_t* acc = ws.accepted_.data();
-  double* score = ws.score_.data();
+  std::uint8_t* acc = workspace_access::accepted(ws);
+  double* score = workspace_access::score(ws);
   std::fill(acc, acc + n, std::uint8_t{0});
   acc[0] = 1;
   score[0] = 0.0;
@@ -379,7 +405,7 @@ verify_result verify_node_test(const Tree& t, const verify_request& req, const P
       if (!policy.accepts(s, z, x)) continue;
       acc[c] = 1;
       if constexpr (scored) score[c] = score[v] + static_cast<double>(policy.log_score(s, z, x));
-      a = std::max(a, t.position(c));
+      a = std::max(a, t.node_depth(c));
     }
   }
   verify_result res;
@@ -538,13 +564,13 @@ verify_result verify_sampling(const Tree& t, const verify_request& req, const Po
   const sampling_warp w{static_cast<float>(policy.temperature), static_cast<int>(policy.top_k),
                         static_cast<float>(policy.top_p)};
   const auto v = static_cast<std::size_t>(req.vocab);
-  double* r = ws.residual_.data();
-  std::int32_t* ids = ws.ids_.data();
+  double* r = workspace_access::residual(ws);
+  std::int32_t* ids = workspace_access::ids(ws);
   philox_stream uniform{req.seed, req.step, 0};
   verify_result res;
   int u = 0;
   for (;;) {
-    double m = warp_into(checked_row(req, u), w, r, ids, ws.keys_.data());
+    double m = warp_into(checked_row(req, u), w, r, ids, workspace_access::keys(ws));
     int accepted = -1;
     const int cb = t.child_begin(u);
     for (int c = cb; c < cb + t.child_count(u); ++c) {
@@ -672,8 +698,10 @@ inline std::int32_t sample_token(std::span<const float> z, const sampling_warp& 
   detail::check_vocab(static_cast<int>(z.size()));
   detail::check_row_finite(z, -1, "sampled row");
   ws.reserve(0, static_cast<int>(z.size()));
-  const double m = detail::warp_into(z, warp, ws.residual_.data(), ws.ids_.data(), ws.keys_.data());
-  return detail::draw_from(ws.residual_.data(), z.size(), m, detail::philox_uniform(seed, step, 0));
+  using detail::workspace_access;
+  const double m = detail::warp_into(z, warp, workspace_access::residual(ws), workspace_access::ids(ws),
+                                     workspace_access::keys(ws));
+  return detail::draw_from(workspace_access::residual(ws), z.size(), m, detail::philox_uniform(seed, step, 0));
 }
 
 MEDUSA_NAMESPACE_END

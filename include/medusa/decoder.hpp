@@ -19,7 +19,7 @@
 //! // out.tokens == medusa::generate_vanilla(model, prompt, opt, ...).tokens with greedy_policy
 //! @endcode
 //!
-//! Step semantics (spec §1): the root of a step is the previous step's bonus token (or the token
+//! Step semantics: the root of a step is the previous step's bonus token (or the token
 //! chosen from the prefill logits); a step commits `root + A` accepted drafts, then continues
 //! from the accepted node's logits and hidden state with no extra forward pass. Near the end of
 //! the context, where a whole tree no longer fits, the loop falls back to single-token steps, so
@@ -57,10 +57,9 @@ struct forward_batch {
   std::span<const std::int32_t> positions;  //!< `[T]` absolute positions (RoPE): `L + depth` in a tree step
   int cache_length = 0;                     //!< `L`: committed slots `[0, L)` are visible to every token
   //! Visibility among the new tokens: empty = causal (token i sees new tokens 0..i); otherwise the
-  //! packed tree mask, row-major `[T][mask_words_per_row]` (bit j%32 of word j/32 of row i: token
-  //! i sees token j), e.g. `medusa::tree::packed_mask()`.
-  std::span<const std::uint32_t> tree_mask = {};
-  int mask_words_per_row = 0;               //!< words per mask row (tree masks only)
+  //! tree's packed mask (`T` rows; token i sees token j iff `tree_mask.visible(i, j)`), e.g.
+  //! `medusa::tree::mask_view()`.
+  tree_mask_view tree_mask = {};
   int first_output_row = 0;                 //!< logits/hidden are wanted for rows `[first_output_row, T)`
   std::span<float> logits;                  //!< `[T - first_output_row][vocab]`
   std::span<float> hidden;                  //!< `[T - first_output_row][hidden]`: final-normed states (lm_head input)
@@ -70,15 +69,16 @@ struct forward_batch {
 //!
 //! - `forward(batch)` runs `batch.tokens` at `batch.positions`, writes their K/V at slots
 //!   `[L, L+T)` of `kv_cache()`, and fills logits and hidden states of the requested rows.
-//! - `kv_cache()` returns a `kv_cache_view` over all layers (the decoder commits accepted paths
-//!   in it); its `capacity()` bounds the context.
+//! - `kv_cache()` returns a writable `kv_cache_view` over all layers (the decoder commits accepted
+//!   paths in it; any layout whose mapping satisfies `kv_layout_mapping`); its `capacity()` bounds
+//!   the context.
 //! - `vocab_size()`, `hidden_size()`.
 template <class M>
 concept decoder_model = requires(M& m, const forward_batch& batch) {
   { m.vocab_size() } -> std::convertible_to<int>;
   { m.hidden_size() } -> std::convertible_to<int>;
   m.forward(batch);
-  { m.kv_cache() } -> kv_view;
+  { m.kv_cache() } -> writable_kv_view;
 };
 
 //! Draft heads as the decoder drives them: `forward(hidden [d], logits [num_heads][vocab])`.
@@ -211,7 +211,7 @@ struct no_callback {
 };
 
 // Root choice from a logit row: argmax for the deterministic policies, a warped draw for the
-// sampling ones (they must take their first root from the target distribution, spec §4).
+// sampling ones (a lossless sampler must take its first root from the target distribution too).
 template <class Policy>
 std::int32_t choose_token(const Policy& policy, std::span<const float> z, std::uint64_t seed,
                           std::uint64_t step, acceptance_workspace& ws) {
@@ -419,12 +419,14 @@ class decoder {
     positions_.resize(static_cast<std::size_t>(n));
     tree_logits_.resize(static_cast<std::size_t>(n) * v);
     tree_hidden_.resize(static_cast<std::size_t>(n) * static_cast<std::size_t>(hidden_));
-    mask_words_ = tree_.words_per_row();
-    mask_.resize(static_cast<std::size_t>(n) * static_cast<std::size_t>(mask_words_));
-    for (int i = 0; i < n; ++i)
-      for (int w = 0; w < mask_words_; ++w)
-        mask_[static_cast<std::size_t>(i) * static_cast<std::size_t>(mask_words_) + static_cast<std::size_t>(w)] =
-            tree_.packed_mask_word(i, w);
+    if constexpr (!has_mask_view) {
+      const int words = tree_.words_per_row();
+      mask_.resize(static_cast<std::size_t>(n) * static_cast<std::size_t>(words));
+      for (int i = 0; i < n; ++i)
+        for (int w = 0; w < words; ++w)
+          mask_[static_cast<std::size_t>(i) * static_cast<std::size_t>(words) + static_cast<std::size_t>(w)] =
+              tree_.packed_mask_word(i, w);
+    }
     ws_.reserve(n, vocab_);
   }
 
@@ -467,7 +469,7 @@ class decoder {
 
       t0 = decode_clock::now();
       generate_candidates(tree_, pending, head_logits_, vocab_, flat_, node_tokens_);
-      for (int i = 0; i < n; ++i) positions_[static_cast<std::size_t>(i)] = L + tree_.position(i);
+      write_node_positions(tree_, L, positions_.data());
       stats.seconds.candidates += seconds_since(t0);
 
       t0 = decode_clock::now();
@@ -476,8 +478,7 @@ class decoder {
       b.tokens = node_tokens_;
       b.positions = positions_;
       b.cache_length = L;
-      b.tree_mask = mask_;
-      b.mask_words_per_row = mask_words_;
+      b.tree_mask = mask_view();
       b.logits = tree_logits_;
       b.hidden = tree_hidden_;
       model_.forward(b);
@@ -519,14 +520,22 @@ class decoder {
   [[nodiscard]] const Policy& policy() const noexcept { return policy_; }
 
  private:
+  static constexpr bool has_mask_view = requires(const Tree& t) {
+    { t.mask_view() } -> std::convertible_to<tree_mask_view>;
+  };
+  [[nodiscard]] tree_mask_view mask_view() const noexcept {
+    if constexpr (has_mask_view) return tree_.mask_view();
+    else return {mask_, tree_.words_per_row()};
+  }
+
   Model& model_;
   Heads& heads_;
   Tree tree_;
   Policy policy_;
-  int num_heads_ = 0, vocab_ = 0, hidden_ = 0, mask_words_ = 0;
+  int num_heads_ = 0, vocab_ = 0, hidden_ = 0;
   std::vector<float> head_logits_, tree_logits_, tree_hidden_;
   std::vector<std::int32_t> flat_, node_tokens_, positions_;
-  std::vector<std::uint32_t> mask_;
+  std::vector<std::uint32_t> mask_;  // the packed mask of a tree without mask_view()
   acceptance_workspace ws_;
 };
 

@@ -16,7 +16,7 @@
 //! over 16 independent lanes so the compiler vectorises them without `-ffast-math`; f16/bf16
 //! weights are converted on the fly inside the inner loop (bf16; no copy) or once per cache block
 //! into a per-thread panel (f16, whose conversion does not vectorise in the tile). An optional caller-provided
-//! parallel-for splits the N blocks. A BLAS-backed policy lives outside the core
+//! parallel-for (parallel.hpp) splits the N blocks. A BLAS-backed policy lives outside the core
 //! (`examples/blas/openblas_gemm.hpp`).
 //!
 //! @code
@@ -28,8 +28,11 @@
 #pragma once
 
 #include <medusa/config.hpp>
+#include <medusa/dispatch.hpp>
+#include <medusa/dtype.hpp>
 #include <medusa/error.hpp>
 #include <medusa/half.hpp>
+#include <medusa/parallel.hpp>
 
 #include <algorithm>
 #include <concepts>
@@ -41,17 +44,6 @@
 #include <vector>
 
 MEDUSA_NAMESPACE_BEGIN
-
-//! Element type of head weights.
-enum class weight_dtype : std::uint8_t { f32, f16, bf16 };
-
-//! Bytes per element of `t`.
-MEDUSA_HOST_DEVICE constexpr std::size_t weight_dtype_size(weight_dtype t) noexcept { return t == weight_dtype::f32 ? 4 : 2; }
-
-//! Name of `t` ("f32", "f16", "bf16").
-constexpr std::string_view to_string(weight_dtype t) noexcept {
-  return t == weight_dtype::f32 ? "f32" : t == weight_dtype::f16 ? "f16" : "bf16";
-}
 
 //! A non-owning typed pointer to weights (f32 `float`, f16 `medusa::half`, bf16 `medusa::bfloat16`).
 struct weight_ptr {
@@ -68,7 +60,7 @@ struct weight_ptr {
   static constexpr weight_ptr of(const std::uint16_t* p, weight_dtype t) noexcept { return {p, t}; }
   //! The pointer advanced by `n` elements.
   [[nodiscard]] constexpr weight_ptr offset(std::size_t n) const noexcept {
-    return {static_cast<const unsigned char*>(data) + n * weight_dtype_size(dtype), dtype};
+    return {static_cast<const unsigned char*>(data) + n * dtype_size(dtype), dtype};
   }
   //! Element `i` as float.
   [[nodiscard]] float load(std::size_t i) const noexcept {
@@ -89,15 +81,6 @@ enum class gemm_op : std::uint8_t { none, transpose };
 template <class G>
 concept gemm_policy = requires(G& g, gemm_op op, std::size_t n, float s, const float* a, weight_ptr b, float* c) {
   g.gemm(op, op, n, n, n, s, a, n, b, n, s, c, n);
-};
-
-//! Runs tasks `0..n-1` in order on the calling thread (the default parallel-for).
-struct serial_for {
-  //! Calls `body(i)` for `i < n`.
-  template <class F>
-  void operator()(std::size_t n, F&& body) const {
-    for (std::size_t i = 0; i < n; ++i) body(i);
-  }
 };
 
 namespace detail::gemm_impl {
@@ -224,11 +207,11 @@ inline void nt_block_f16(std::size_t m, std::size_t n0, std::size_t n1, std::siz
 }  // namespace detail::gemm_impl
 
 //! Portable cache-blocked GEMM in plain C++ (see the file comment).
-//! @tparam ParallelFor callable `pf(n_tasks, body)` that runs `body(i)` for every `i < n_tasks`,
-//!         possibly concurrently (tasks write disjoint columns of C); `serial_for` by default.
-template <class ParallelFor = serial_for>
+//! @tparam ParallelFor a parallel-for (parallel.hpp) over the column blocks of C (tasks write
+//!         disjoint columns); `sequential_for` by default.
+template <parallel_for ParallelFor = sequential_for>
 struct portable_gemm {
-  ParallelFor parallel_for{};  //!< how column blocks are distributed
+  ParallelFor parallel{};  //!< how column blocks are distributed
 
   //! `C = alpha·op(A)·op(B) + beta·C`. Throws `invalid_input` on null pointers or strides
   //! smaller than the rows they describe.
@@ -258,11 +241,7 @@ struct portable_gemm {
       b = weight_ptr::of(b_packed.data());
       ldb = k;
     }
-    switch (b.dtype) {
-      case weight_dtype::f32: run<weight_dtype::f32>(m, n, k, alpha, a, lda, b.data, ldb, c, ldc); break;
-      case weight_dtype::f16: run<weight_dtype::f16>(m, n, k, alpha, a, lda, b.data, ldb, c, ldc); break;
-      case weight_dtype::bf16: run<weight_dtype::bf16>(m, n, k, alpha, a, lda, b.data, ldb, c, ldc); break;
-    }
+    dispatch_dtype(b.dtype, [&]<dtype T>() { run<T>(m, n, k, alpha, a, lda, b.data, ldb, c, ldc); });
   }
 
  private:
@@ -282,7 +261,7 @@ struct portable_gemm {
     const E* b = static_cast<const E*>(bp);
     constexpr std::size_t nc = detail::gemm_impl::nc;
     const std::size_t tasks = (n + nc - 1) / nc;
-    parallel_for(tasks, [&](std::size_t t) {
+    parallel(tasks, [&](std::size_t t) {
       const std::size_t n0 = t * nc;
       if constexpr (T == weight_dtype::f16) {
         thread_local std::vector<float> panel;  // one [nc, kc] panel per thread, reused

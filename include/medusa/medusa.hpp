@@ -7,19 +7,22 @@
 //! static_assert(medusa::version().major == MEDUSA_VERSION_MAJOR);
 //! @endcode
 //!
-//! CUDA kernels are not included here; they live in `<medusa/cuda/...>` and need nvcc.
+//! File formats (safetensors, head checkpoints, JSON) are in `<medusa/io.hpp>`, and the
+//! compile-time presets in `<medusa/tree/presets.hpp>`; CUDA kernels live in `<medusa/cuda/...>`
+//! and need nvcc.
 #pragma once
 
 #include <medusa/config.hpp>
 #include <medusa/error.hpp>
+#include <medusa/dtype.hpp>
+#include <medusa/half.hpp>
+#include <medusa/parallel.hpp>
 #include <medusa/tree.hpp>
 #include <medusa/candidates.hpp>
 #include <medusa/acceptance.hpp>
-#include <medusa/half.hpp>
 #include <medusa/kv_cache.hpp>
 #include <medusa/attention.hpp>
-#include <medusa/decoder.hpp>
 #include <medusa/gemm.hpp>
 #include <medusa/heads.hpp>
-#include <medusa/io/safetensors.hpp>
-#include <medusa/io/head_checkpoint.hpp>
+#include <medusa/decoder.hpp>
+#include <medusa/dispatch.hpp>

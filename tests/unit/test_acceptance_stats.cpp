@@ -159,7 +159,7 @@ std::vector<int> generate(const medusa::tree& t, const std::vector<int>& ctx, co
             break;
           }
       } else {
-        tok = (3 * t.position(u) + 5 * t.rank(u) + sc.tokens[0]) % vocab;
+        tok = (3 * t.node_depth(u) + 5 * t.rank(u) + sc.tokens[0]) % vocab;
       }
       sc.tokens[uu] = tok;
       sc.th[uu] = extend(sc.th[p], tok);

@@ -180,8 +180,8 @@ TEST_CASE("candidates on a preset: siblings carry distinct tokens, cousins share
   ws.generate(t, 3, head_logits, vocab, tokens);
   for (int u = 1; u < t.num_nodes(); ++u) {
     const auto top = reference_top_k(
-        std::vector<float>(head_logits.begin() + (t.position(u) - 1) * vocab,
-                           head_logits.begin() + t.position(u) * vocab),
+        std::vector<float>(head_logits.begin() + (t.node_depth(u) - 1) * vocab,
+                           head_logits.begin() + t.node_depth(u) * vocab),
         t.rank(u) + 1);
     CHECK(tokens[static_cast<std::size_t>(u)] == top.back());
   }

@@ -90,7 +90,7 @@ class tiny_model {
         medusa::causal_attention(kv_, l, b.cache_length, q, T, q_heads, att);
       else
         medusa::tree_attention(kv_, l, b.cache_length, q, T, q_heads,
-                               medusa::packed_tree_mask{b.tree_mask, b.mask_words_per_row}, att);
+                               b.tree_mask, att);
       for (int i = 0; i < T; ++i) {
         std::vector<float> o(dim);
         matvec(&att[i * q_heads * head_dim], w.wo.data(), q_heads * head_dim, dim, o.data());

@@ -4,7 +4,8 @@
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/thread_pool.hpp>
 
-#include "attention.hpp"
+#include <medusa/attention.hpp>
+
 #include "gemm.hpp"
 #include "kernels.hpp"
 
@@ -12,7 +13,6 @@
 #include <cassert>
 #include <cmath>
 #include <cstring>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,74 +21,6 @@
 #endif
 
 namespace medusa_llama {
-
-namespace detail {
-
-std::size_t attention_scratch_size(int capacity, int max_batch) {
-  return static_cast<std::size_t>(capacity) + static_cast<std::size_t>(max_batch);
-}
-
-bool core_attention_applies(const attention_problem& p) noexcept {
-  if (p.view == nullptr) return false;
-  for (int i = 0; i < p.T; ++i)
-    if (p.slots[i] != p.mask.prefix_len() + i) return false;
-  return true;
-}
-
-void attend(const attention_problem& p, float* score_scratch, int* slot_scratch, std::size_t per_thread, thread_pool& pool) {
-  if (core_attention_applies(p)) {
-    const std::size_t n = static_cast<std::size_t>(p.T) * static_cast<std::size_t>(p.n_heads) * static_cast<std::size_t>(p.head_dim);
-    auto par = [&pool](int count, auto&& body) { pool.run(count, [&body](int i, int) { body(i); }); };
-    std::span<const float> q(p.q, n);
-    std::span<float> out(p.out, n);
-    if (p.mask.is_tree()) {
-      const medusa::packed_tree_mask m{p.mask.words(), (p.T + 31) / 32};
-      medusa::tree_attention(*p.view, p.layer, p.mask.prefix_len(), q, p.T, p.n_heads, m, out, {}, par);
-    } else {
-      medusa::causal_attention(*p.view, p.layer, p.mask.prefix_len(), q, p.T, p.n_heads, out, {}, par);
-    }
-    return;
-  }
-  const int hd = p.head_dim;
-  const int group = p.n_heads / p.n_kv_heads;
-  const std::size_t kv_stride = static_cast<std::size_t>(p.n_kv_heads) * static_cast<std::size_t>(hd);
-  const std::size_t q_stride = static_cast<std::size_t>(p.n_heads) * static_cast<std::size_t>(hd);
-  const int L = p.mask.prefix_len();
-  const float inv_scale = std::sqrt(static_cast<float>(hd));
-  const int tasks = p.T * p.n_heads;
-  const int chunks = std::min(tasks, 4 * pool.size());
-  pool.run(chunks, [&](int chunk, int tid) {
-    float* scores = score_scratch + static_cast<std::size_t>(tid) * per_thread;
-    int* idx = slot_scratch + static_cast<std::size_t>(tid) * per_thread;  // visible slots
-    const int begin = tasks * chunk / chunks, end = tasks * (chunk + 1) / chunks;
-    for (int task = begin; task < end; ++task) {
-      const int t = task / p.n_heads, h = task % p.n_heads;
-      const float* q = p.q + static_cast<std::size_t>(t) * q_stride + static_cast<std::size_t>(h) * static_cast<std::size_t>(hd);
-      const std::size_t head_off = static_cast<std::size_t>(h / group) * static_cast<std::size_t>(hd);
-      int m = 0;
-      for (int j = 0; j < L; ++j) idx[m++] = j;
-      for (int j = 0; j < p.T; ++j)
-        if (p.mask.visible(t, j, p.T)) idx[m++] = p.slots[j];
-      float mx = -INFINITY;
-      for (int s = 0; s < m; ++s) {
-        const float v = dot(q, p.k_cache + static_cast<std::size_t>(idx[s]) * kv_stride + head_off, hd) / inv_scale;
-        scores[s] = v;
-        mx = std::max(mx, v);
-      }
-      float sum = 0.0f;
-      for (int s = 0; s < m; ++s) {
-        scores[s] = std::exp(scores[s] - mx);
-        sum += scores[s];
-      }
-      float* o = p.out + static_cast<std::size_t>(t) * q_stride + static_cast<std::size_t>(h) * static_cast<std::size_t>(hd);
-      std::fill(o, o + hd, 0.0f);
-      for (int s = 0; s < m; ++s)
-        axpy(scores[s] / sum, p.v_cache + static_cast<std::size_t>(idx[s]) * kv_stride + head_off, o, hd);
-    }
-  });
-}
-
-}  // namespace detail
 
 namespace {
 
@@ -117,14 +49,10 @@ struct engine::impl {
   model_config c;
   engine_options opt;
   thread_pool pool;
-  int length = 0;
   std::vector<float> k_cache, v_cache;  // [layer][capacity][kv_dim]
+  medusa::kv_cache_view<float> kv;      // the cache as the library sees it (NHD)
   std::vector<float> rope_cos, rope_sin;  // [seq_len][head_dim / 2]
   std::vector<float> x, xb, q, k, v, att, h1, h3, xf;
-  std::optional<medusa::kv_cache_view<float>> view;  // the cache for the core attention
-  std::vector<float> score_scratch;
-  std::vector<int> slot_scratch;
-  std::size_t scratch_per_thread = 0;
 
   impl(model mm, engine_options o) : m(std::move(mm)), c(m.config()), opt(o), pool(o.threads) {}
 
@@ -247,57 +175,58 @@ struct engine::impl {
     }
   }
 
-  void validate(std::span<const int> tokens, std::span<const int> positions, std::span<const int> slots,
-                const mask_source& mask, const forward_outputs& out) const {
-    const int T = static_cast<int>(tokens.size());
+  void validate(const medusa::forward_batch& b) const {
+    const auto T = b.tokens.size();
     auto fail = [](engine_errc code, const std::string& msg) { throw engine_error(code, msg); };
-    if (T < 1 || T > opt.max_batch)
-      fail(engine_errc::bad_batch, "batch of " + std::to_string(tokens.size()) + " tokens is outside [1, max_batch " + std::to_string(opt.max_batch) + "]");
-    if (positions.size() != tokens.size() || slots.size() != tokens.size())
-      fail(engine_errc::bad_batch, "tokens, positions and kv_slots have " + std::to_string(tokens.size()) + ", " +
-                                       std::to_string(positions.size()) + " and " + std::to_string(slots.size()) + " entries");
-    const int L = mask.prefix_len();
-    if (L < 0 || L > length)
-      fail(engine_errc::bad_mask, "prefix length " + std::to_string(L) + " is outside [0, cache length " + std::to_string(length) + "]");
-    for (int i = 0; i < T; ++i) {
-      const int tok = tokens[sz(i)], pos = positions[sz(i)], s = slots[sz(i)];
+    if (T < 1) fail(engine_errc::bad_batch, "empty batch");
+    if (b.positions.size() != T)
+      fail(engine_errc::bad_batch, "batch of " + std::to_string(T) + " tokens has " + std::to_string(b.positions.size()) + " positions");
+    const int L = b.cache_length;
+    if (L < 0 || T > sz(opt.capacity) || L > opt.capacity - static_cast<int>(T))
+      fail(engine_errc::bad_slot, "batch of " + std::to_string(T) + " tokens at cache length " + std::to_string(L) +
+                                      " does not fit the capacity " + std::to_string(opt.capacity));
+    const int n = static_cast<int>(T);
+    for (int i = 0; i < n; ++i) {
+      const int tok = b.tokens[sz(i)], pos = b.positions[sz(i)];
       if (tok < 0 || tok >= c.vocab_size)
         fail(engine_errc::bad_token, "token " + std::to_string(tok) + " at batch row " + std::to_string(i) + " is outside [0, " + std::to_string(c.vocab_size) + ")");
       if (pos < 0 || pos >= c.seq_len)
         fail(engine_errc::bad_position, "position " + std::to_string(pos) + " at batch row " + std::to_string(i) + " is outside [0, seq_len " + std::to_string(c.seq_len) + ")");
-      if (s < L || s >= opt.capacity)
-        fail(engine_errc::bad_slot, "KV slot " + std::to_string(s) + " at batch row " + std::to_string(i) + " is outside [prefix " + std::to_string(L) + ", capacity " + std::to_string(opt.capacity) + ")");
-      for (int j = 0; j < i; ++j)
-        if (slots[sz(j)] == s) fail(engine_errc::bad_slot, "KV slot " + std::to_string(s) + " is used by batch rows " + std::to_string(j) + " and " + std::to_string(i));
     }
-    if (mask.is_tree()) {
-      const std::size_t words = sz((T + 31) / 32);
-      if (mask.words().size() != sz(T) * words)
-        fail(engine_errc::bad_mask, "tree mask has " + std::to_string(mask.words().size()) + " words, a batch of " + std::to_string(T) + " needs " + std::to_string(sz(T) * words));
-      for (int i = 0; i < T; ++i) {
-        if (!mask.visible(i, i, T)) fail(engine_errc::bad_mask, "tree mask row " + std::to_string(i) + " does not see itself");
-        // Bits beyond T in the last word must be clear: they name no token.
-        if (T % 32 != 0 && (mask.words()[sz(i) * words + words - 1] >> (T % 32)) != 0)
-          fail(engine_errc::bad_mask, "tree mask row " + std::to_string(i) + " has bits set beyond column " + std::to_string(T - 1));
+    if (!b.tree_mask.empty()) {
+      const auto& m = b.tree_mask;
+      if (n > opt.max_batch)
+        fail(engine_errc::bad_batch, "tree batch of " + std::to_string(n) + " tokens exceeds max_batch " + std::to_string(opt.max_batch));
+      if (!m.covers(n))
+        fail(engine_errc::bad_mask, "tree mask of " + std::to_string(m.words.size()) + " words, " + std::to_string(m.words_per_row) +
+                                        " per row, does not cover " + std::to_string(n) + " tokens");
+      for (int i = 0; i < n; ++i) {
+        if (!m.visible(i, i)) fail(engine_errc::bad_mask, "tree mask row " + std::to_string(i) + " does not see itself");
+        for (int j = i + 1; j < 32 * m.words_per_row; ++j)  // only earlier rows (and itself) can be ancestors
+          if (m.visible(i, j))
+            fail(engine_errc::bad_mask, "tree mask row " + std::to_string(i) + " sees column " + std::to_string(j) + ", which is not an earlier row");
       }
     }
-    for (std::size_t k = 0; k < out.rows.size(); ++k)
-      if (out.rows[k] < 0 || out.rows[k] >= T)
-        fail(engine_errc::bad_output, "output row " + std::to_string(out.rows[k]) + " is outside the batch [0, " + std::to_string(T) + ")");
-    if (!out.logits.empty() && out.logits.size() != out.rows.size() * sz(c.vocab_size))
-      fail(engine_errc::bad_output, "logits buffer has " + std::to_string(out.logits.size()) + " floats, " + std::to_string(out.rows.size()) + " rows need " + std::to_string(out.rows.size() * sz(c.vocab_size)));
-    if (!out.hidden.empty() && out.hidden.size() != out.rows.size() * sz(c.dim))
-      fail(engine_errc::bad_output, "hidden buffer has " + std::to_string(out.hidden.size()) + " floats, " + std::to_string(out.rows.size()) + " rows need " + std::to_string(out.rows.size() * sz(c.dim)));
+    if (b.first_output_row < 0 || b.first_output_row >= n)
+      fail(engine_errc::bad_output, "first output row " + std::to_string(b.first_output_row) + " is outside the batch [0, " + std::to_string(n) + ")");
+    const std::size_t rows = T - sz(b.first_output_row);
+    if (!b.logits.empty() && b.logits.size() != rows * sz(c.vocab_size))
+      fail(engine_errc::bad_output, "logits buffer has " + std::to_string(b.logits.size()) + " floats, " + std::to_string(rows) + " rows need " + std::to_string(rows * sz(c.vocab_size)));
+    if (!b.hidden.empty() && b.hidden.size() != rows * sz(c.dim))
+      fail(engine_errc::bad_output, "hidden buffer has " + std::to_string(b.hidden.size()) + " floats, " + std::to_string(rows) + " rows need " + std::to_string(rows * sz(c.dim)));
   }
 
-  void forward(std::span<const int> tokens, std::span<const int> positions, std::span<const int> slots,
-               const mask_source& mask, const forward_outputs& out) {
-    validate(tokens, positions, slots, mask, out);
+  // One pass of T <= max_batch tokens at slots [L, L+T); outputs of rows [first, T) when wanted.
+  void run(std::span<const std::int32_t> tokens, std::span<const std::int32_t> positions, int L, const medusa::tree_mask_view& mask,
+           int first, float* logits, float* hidden) {
     const int T = static_cast<int>(tokens.size());
     const int d = c.dim, kvd = c.kv_dim(), H = c.hidden_dim;
     for (int t = 0; t < T; ++t)
       std::memcpy(x.data() + sz(t) * sz(d), m.token_embedding() + sz(tokens[sz(t)]) * sz(d), sz(d) * sizeof(float));
-    const std::size_t layer_stride = sz(opt.capacity) * sz(kvd);
+    auto on_pool = [this](std::size_t count, auto&& body) {
+      pool.run(static_cast<int>(count), [&body](int i, int) { body(static_cast<std::size_t>(i)); });
+    };
+    const std::size_t qn = sz(T) * sz(d);
     for (int l = 0; l < c.n_layers; ++l) {
       const layer_weights& w = m.layer(l);
       const packed_layer& pw = packed[sz(l)];
@@ -308,37 +237,47 @@ struct engine::impl {
               {&pw.wk, w.wk, k.data(), kvd, epilogue::store},
               {&pw.wv, w.wv, v.data(), kvd, epilogue::store}},
              xb.data(), T, d);
-      float* kc = k_cache.data() + sz(l) * layer_stride;
-      float* vc = v_cache.data() + sz(l) * layer_stride;
       for (int t = 0; t < T; ++t) {
         rope(q.data() + sz(t) * sz(d), c.n_heads, positions[sz(t)]);
         rope(k.data() + sz(t) * sz(kvd), c.n_kv_heads, positions[sz(t)]);
-        std::memcpy(kc + sz(slots[sz(t)]) * sz(kvd), k.data() + sz(t) * sz(kvd), sz(kvd) * sizeof(float));
-        std::memcpy(vc + sz(slots[sz(t)]) * sz(kvd), v.data() + sz(t) * sz(kvd), sz(kvd) * sizeof(float));
+        std::memcpy(kv.k_row(l, L + t, 0), k.data() + sz(t) * sz(kvd), sz(kvd) * sizeof(float));
+        std::memcpy(kv.v_row(l, L + t, 0), v.data() + sz(t) * sz(kvd), sz(kvd) * sizeof(float));
       }
-      detail::attention_problem ap{q.data(), att.data(), kc, vc, slots.data(), T, c.n_heads, c.n_kv_heads, c.head_dim(),
-                                   mask, l, opt.core_attention ? &*view : nullptr};
-      detail::attend(ap, score_scratch.data(), slot_scratch.data(), scratch_per_thread, pool);
+      const std::span<const float> qs(q.data(), qn);
+      const std::span<float> out(att.data(), qn);
+      if (mask.empty())
+        medusa::causal_attention(kv, l, L, qs, T, c.n_heads, out, {}, on_pool);
+      else
+        medusa::tree_attention(kv, l, L, qs, T, c.n_heads, mask, out, {}, on_pool);
       linear({{&pw.wo, w.wo, x.data(), d, epilogue::add}}, att.data(), T, d);
       for (int t = 0; t < T; ++t) detail::rmsnorm(xb.data() + sz(t) * sz(d), x.data() + sz(t) * sz(d), w.rms_ffn, d, c.rms_eps);
       linear({{&pw.w13, nullptr, h1.data(), H, epilogue::swiglu}}, xb.data(), T, d);
       linear({{&pw.w2, w.w2, x.data(), d, epilogue::add}}, h1.data(), T, H);
     }
-    const int R = static_cast<int>(out.rows.size());
-    if (R == 0) return;
-    for (int k2 = 0; k2 < R; ++k2) {
-      float* dst = xf.data() + sz(k2) * sz(d);
-      detail::rmsnorm(dst, x.data() + sz(out.rows[sz(k2)]) * sz(d), m.rms_final(), d, c.rms_eps);
-      if (!out.hidden.empty()) std::memcpy(out.hidden.data() + sz(k2) * sz(d), dst, sz(d) * sizeof(float));
+    const int R = T - first;
+    if (R <= 0 || (logits == nullptr && hidden == nullptr)) return;
+    for (int r = 0; r < R; ++r) {
+      float* dst = xf.data() + sz(r) * sz(d);
+      detail::rmsnorm(dst, x.data() + sz(first + r) * sz(d), m.rms_final(), d, c.rms_eps);
+      if (hidden != nullptr) std::memcpy(hidden + sz(r) * sz(d), dst, sz(d) * sizeof(float));
     }
-    if (!out.logits.empty()) {
-      // Rows beyond max_batch are impossible (R ≤ rows of a batch ≤ max_batch is not required:
-      // rows may repeat), so the classifier runs in groups of max_batch rows.
-      for (int r0 = 0; r0 < R; r0 += opt.max_batch) {
-        const int n = std::min(opt.max_batch, R - r0);
-        linear({{&cls, m.classifier(), out.logits.data() + sz(r0) * sz(c.vocab_size), c.vocab_size, detail::epilogue::store}},
-               xf.data() + sz(r0) * sz(d), n, d);
-      }
+    if (logits != nullptr)
+      linear({{&cls, m.classifier(), logits, c.vocab_size, detail::epilogue::store}}, xf.data(), R, d);
+  }
+
+  void forward(const medusa::forward_batch& b) {
+    validate(b);
+    const int T = static_cast<int>(b.tokens.size());
+    const std::size_t V = sz(c.vocab_size), d = sz(c.dim);
+    const int maxb = b.tree_mask.empty() ? opt.max_batch : T;
+    for (int c0 = 0; c0 < T; c0 += maxb) {
+      const int n = std::min(maxb, T - c0);
+      const int first = std::max(b.first_output_row - c0, 0);  // output rows of this chunk: [first, n)
+      const std::size_t o0 = sz(c0 + first - b.first_output_row);
+      const bool wanted = first < n;
+      run(b.tokens.subspan(sz(c0), sz(n)), b.positions.subspan(sz(c0), sz(n)), b.cache_length + c0, b.tree_mask, first,
+          wanted && !b.logits.empty() ? b.logits.data() + o0 * V : nullptr,
+          wanted && !b.hidden.empty() ? b.hidden.data() + o0 * d : nullptr);
     }
   }
 };
@@ -349,8 +288,6 @@ engine::engine(model m, engine_options o) {
   if (o.capacity == 0) o.capacity = c.seq_len;
   if (o.capacity < 1 || o.capacity > (1 << 24)) bad("capacity " + std::to_string(o.capacity) + " is outside [1, 2^24]");
   if (o.max_batch < 1 || o.max_batch > 4096) bad("max_batch " + std::to_string(o.max_batch) + " is outside [1, 4096]");
-  if (o.prefill_chunk < 1) bad("prefill_chunk " + std::to_string(o.prefill_chunk) + " must be positive");
-  o.prefill_chunk = std::min(o.prefill_chunk, o.max_batch);
   if (o.threads < 0 || o.threads > 256) bad("threads " + std::to_string(o.threads) + " is outside [0, 256]");
   if (o.weights == weight_format::int8) bad("int8 weights are for Medusa heads only (packed_heads); the model needs f32 or bf16");
   if (o.weights != weight_format::f32 && o.weights != weight_format::bf16)
@@ -376,12 +313,9 @@ engine::engine(model m, engine_options o) {
   s.h3.assign(B * H, 0.0f);
   s.xf.assign(B * d, 0.0f);
   s.pack_weights();
-  s.view = medusa::make_kv_view<float>(std::span<float>(s.k_cache), std::span<float>(s.v_cache),
-                                       medusa::kv_extents{c.n_layers, c.n_kv_heads, c.head_dim()}, o.capacity,
-                                       medusa::kv_layout::nhd);
-  s.scratch_per_thread = detail::attention_scratch_size(o.capacity, o.max_batch);
-  s.score_scratch.assign(s.scratch_per_thread * sz(s.pool.size()), 0.0f);
-  s.slot_scratch.assign(s.scratch_per_thread * sz(s.pool.size()), 0);
+  s.kv = medusa::make_kv_view<float>(std::span<float>(s.k_cache), std::span<float>(s.v_cache),
+                                     medusa::kv_extents{c.n_layers, c.n_kv_heads, c.head_dim()}, o.capacity,
+                                     medusa::kv_layout::nhd);
   // RoPE tables in float, as llama2.c's run.c and HF compute them.
   const int hd = c.head_dim(), half = hd / 2;
   s.rope_cos.resize(sz(c.seq_len) * sz(half));
@@ -402,60 +336,38 @@ engine::~engine() = default;
 const model_config& engine::config() const noexcept { return p_->c; }
 const model& engine::weights() const noexcept { return p_->m; }
 const engine_options& engine::options() const noexcept { return p_->opt; }
-int engine::length() const noexcept { return p_->length; }
+int engine::vocab_size() const noexcept { return p_->c.vocab_size; }
+int engine::hidden_size() const noexcept { return p_->c.dim; }
+medusa::kv_cache_view<float> engine::kv_cache() noexcept { return p_->kv; }
 int engine::capacity() const noexcept { return p_->opt.capacity; }
 int engine::threads() const noexcept { return p_->pool.size(); }
 thread_pool& engine::pool() noexcept { return p_->pool; }
 
-void engine::truncate(int n) {
-  if (n < 0 || n > p_->length)
-    throw engine_error(engine_errc::bad_slot, "truncate(" + std::to_string(n) + ") is outside [0, length " + std::to_string(p_->length) + "]");
-  p_->length = n;
-}
-
-kv_layer_view engine::kv_layer(int l) {
-  const auto& c = p_->c;
-  if (l < 0 || l >= c.n_layers)
-    throw engine_error(engine_errc::bad_option, "layer " + std::to_string(l) + " is outside [0, " + std::to_string(c.n_layers) + ")");
-  const std::size_t stride = sz(p_->opt.capacity) * sz(c.kv_dim());
-  return {p_->k_cache.data() + sz(l) * stride, p_->v_cache.data() + sz(l) * stride, sz(c.kv_dim()), c.n_kv_heads, c.head_dim(),
-          p_->opt.capacity};
-}
-
-void engine::forward(std::span<const int> tokens, std::span<const int> positions, std::span<const int> kv_slots,
-                     const mask_source& mask, const forward_outputs& out) {
-  p_->forward(tokens, positions, kv_slots, mask, out);
-  int hi = p_->length;
-  for (int s : kv_slots) hi = std::max(hi, s + 1);
-  p_->length = hi;
-}
+void engine::forward(const medusa::forward_batch& batch) { p_->forward(batch); }
 
 void engine::prefill(std::span<const int> tokens, int start, std::span<float> last_logits, std::span<float> last_hidden) {
-  auto& s = *p_;
   const int n = static_cast<int>(tokens.size());
   if (n < 1) throw engine_error(engine_errc::bad_batch, "prefill of an empty prompt");
-  if (start < 0 || start > s.length)
-    throw engine_error(engine_errc::bad_slot, "prefill start " + std::to_string(start) + " is outside [0, length " + std::to_string(s.length) + "]");
-  if (n > s.opt.capacity - start || n > s.c.seq_len - start)
-    throw engine_error(engine_errc::bad_batch, "prompt of " + std::to_string(n) + " tokens after " + std::to_string(start) +
-                                                   " does not fit capacity " + std::to_string(s.opt.capacity) + " / seq_len " + std::to_string(s.c.seq_len));
-  std::vector<int> idx(sz(s.opt.prefill_chunk));
-  for (int off = 0; off < n; off += s.opt.prefill_chunk) {
-    const int m = std::min(s.opt.prefill_chunk, n - off);
-    for (int i = 0; i < m; ++i) idx[sz(i)] = start + off + i;
-    const bool last = off + m == n;
-    int row[1] = {m - 1};
-    forward_outputs out{last ? std::span<const int>(row, 1) : std::span<const int>{}, last ? last_logits : std::span<float>{},
-                        last ? last_hidden : std::span<float>{}};
-    std::span<const int> ids(idx.data(), sz(m));
-    forward(tokens.subspan(sz(off), sz(m)), ids, ids, mask_source::causal(start + off), out);
-  }
-  s.length = start + n;
+  std::vector<std::int32_t> positions(tokens.size());
+  for (int i = 0; i < n; ++i) positions[sz(i)] = start + i;
+  medusa::forward_batch b;
+  b.tokens = tokens;
+  b.positions = positions;
+  b.cache_length = start;
+  b.first_output_row = n - 1;
+  b.logits = last_logits;
+  b.hidden = last_hidden;
+  forward(b);
 }
 
 void engine::decode(int token, int pos, std::span<float> logits, std::span<float> hidden) {
-  const int row[1] = {0};
-  forward({&token, 1}, {&pos, 1}, {&pos, 1}, mask_source::causal(pos), {row, logits, hidden});
+  medusa::forward_batch b;
+  b.tokens = std::span<const std::int32_t>(&token, 1);
+  b.positions = std::span<const std::int32_t>(&pos, 1);
+  b.cache_length = pos;
+  b.logits = logits;
+  b.hidden = hidden;
+  forward(b);
 }
 
 }  // namespace medusa_llama

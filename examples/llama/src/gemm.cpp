@@ -7,6 +7,8 @@
 // FMAs take as long as the loads, and the hardware prefetcher alone leaves the stream stalling.
 #include "gemm.hpp"
 
+#include <medusa/detail/exp2.hpp>
+
 #include <medusa_llama/thread_pool.hpp>
 
 #include <algorithm>
@@ -117,28 +119,6 @@ namespace {
 
 inline __mmask16 col_mask(int n) { return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u); }
 
-// exp(x) for the SwiGLU epilogue: Cody-Waite reduction, degree-6 polynomial, scalef (≈ 1 ulp;
-// exp(-88.7) and below flush towards 0, +inf input gives +inf).
-inline __m512 exp512(__m512 x) {
-  // Masked forms with an explicit source: GCC 12's plain ones pass _mm512_undefined_ps() and trip
-  // -Wmaybe-uninitialized.
-  const __mmask16 all = 0xffff;
-  x = _mm512_mask_max_ps(x, all, x, _mm512_set1_ps(-104.0f));
-  x = _mm512_mask_min_ps(x, all, x, _mm512_set1_ps(89.0f));
-  const __m512 xl = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_mask_roundscale_ps(xl, all, xl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_mask_scalef_ps(p, all, p, n);
-}
-
 // Writes the MR × NB accumulators of one micro-tile. `cols[b]` = valid columns of panel b.
 template <int MR, int NB>
 inline void write_tile(__m512 (&acc)[MR][NB], float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
@@ -149,7 +129,9 @@ inline void write_tile(__m512 (&acc)[MR][NB], float* Y, std::size_t ldy, const i
 #pragma GCC unroll 8
       for (int t = 0; t < MR; ++t) {
         const __m512 g = acc[t][0];
-        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        // silu(g) = g / (1 + e^-g), e^-g = 2^(-g·log2 e)
+        const __m512 e = medusa::detail::exp2_approx(_mm512_mul_ps(g, _mm512_set1_ps(-medusa::detail::log2e)));
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
         _mm512_mask_storeu_ps(Y + sz(t) * ldy, m, _mm512_mul_ps(s, acc[t][1]));
       }
       return;

@@ -51,7 +51,7 @@ class proto_reader {
   }
 
   [[noreturn]] void fail(const std::string& what) const {
-    throw load_error(load_errc::bad_tokenizer, origin_, "malformed SentencePiece model: " + what);
+    throw load_error(load_errc::bad_tokenizer, "malformed SentencePiece model: " + what, origin_);
   }
 
  private:
@@ -61,7 +61,7 @@ class proto_reader {
 
 std::string read_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw load_error(load_errc::open_failed, path.string(), "cannot open");
+  if (!in) throw load_error(load_errc::open_failed, "cannot open", path.string());
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
@@ -99,19 +99,19 @@ bool default_dummy_prefix(const std::filesystem::path& tokenizer_path) {
 loaded_model load(const std::filesystem::path& model_path, const std::filesystem::path& tokenizer_path) {
   std::error_code ec;
   if (!std::filesystem::exists(model_path, ec))
-    throw load_error(load_errc::open_failed, model_path.string(), "no such file or directory");
+    throw load_error(load_errc::open_failed, "no such file or directory", model_path.string());
   const bool hf = std::filesystem::is_directory(model_path, ec);
   std::filesystem::path tok_path = tokenizer_path;
   if (tok_path.empty()) tok_path = hf ? model_path / "tokenizer.json" : model_path.parent_path() / "tokenizer.bin";
   if (!std::filesystem::exists(tok_path, ec))
-    throw load_error(load_errc::open_failed, tok_path.string(),
-                     "tokenizer not found (pass --tokenizer: tokenizer.bin for llama2.c models)");
+    throw load_error(load_errc::open_failed, "tokenizer not found (pass --tokenizer: tokenizer.bin for llama2.c models)",
+                     tok_path.string());
   model weights = hf ? model::load_hf(model_path) : model::load_llama2c(model_path);
   std::unique_ptr<tokenizer> tok = load_tokenizer(tok_path, default_dummy_prefix(tok_path));
   if (tok->vocab_size() != weights.config().vocab_size)
-    throw load_error(load_errc::bad_tokenizer, tok_path.string(),
-                     "tokenizer has " + std::to_string(tok->vocab_size()) + " tokens, the model " +
-                         std::to_string(weights.config().vocab_size));
+    throw load_error(load_errc::bad_tokenizer, "tokenizer has " + std::to_string(tok->vocab_size()) + " tokens, the model " +
+                         std::to_string(weights.config().vocab_size),
+                     tok_path.string());
   return loaded_model{std::move(weights), std::move(tok), model_path, tok_path};
 }
 

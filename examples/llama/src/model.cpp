@@ -23,7 +23,7 @@ static_assert(std::endian::native == std::endian::little, "checkpoints are littl
 
 namespace medusa_llama {
 
-const char* to_string(load_errc code) noexcept {
+std::string_view to_string(load_errc code) noexcept {
   switch (code) {
     case load_errc::open_failed: return "open_failed";
     case load_errc::truncated: return "truncated";
@@ -45,18 +45,18 @@ class mapped_file {
   explicit mapped_file(const std::filesystem::path& path) {
     const std::string p = path.string();
     fd_ = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) throw load_error(load_errc::open_failed, p, std::string("cannot open: ") + std::strerror(errno));
+    if (fd_ < 0) throw load_error(load_errc::open_failed, std::string("cannot open: ") + std::strerror(errno), p);
     struct stat st {};
     if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
       ::close(fd_);
-      throw load_error(load_errc::open_failed, p, "not a regular file");
+      throw load_error(load_errc::open_failed, "not a regular file", p);
     }
     size_ = static_cast<std::size_t>(st.st_size);
     if (size_ > 0) {
       void* addr = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd_, 0);
       if (addr == MAP_FAILED) {
         ::close(fd_);
-        throw load_error(load_errc::open_failed, p, std::string("cannot map: ") + std::strerror(errno));
+        throw load_error(load_errc::open_failed, std::string("cannot map: ") + std::strerror(errno), p);
       }
       data_ = static_cast<const unsigned char*>(addr);
     }
@@ -110,7 +110,7 @@ constexpr std::size_t llama2c_header_bytes = 7 * sizeof(std::int32_t);
 }  // namespace detail
 
 void model_config::validate(const std::string& origin) const {
-  auto fail = [&](const std::string& msg) { throw load_error(load_errc::bad_header, origin, msg); };
+  auto fail = [&](const std::string& msg) { throw load_error(load_errc::bad_header, msg, origin); };
   auto in_range = [&](const char* name, int v, int hi) {
     if (v <= 0 || v > hi) fail(std::string(name) + " = " + std::to_string(v) + " is outside [1, " + std::to_string(hi) + "]");
   };
@@ -171,8 +171,8 @@ model model::load_llama2c(const std::filesystem::path& path) {
   const std::string p = path.string();
   auto file = std::make_shared<detail::mapped_file>(path);
   if (file->size() < detail::llama2c_header_bytes)
-    throw load_error(load_errc::truncated, p,
-                     "file has " + std::to_string(file->size()) + " bytes, less than the 28-byte llama2.c header");
+    throw load_error(load_errc::truncated, "file has " + std::to_string(file->size()) + " bytes, less than the 28-byte llama2.c header",
+                     p);
   std::int32_t h[7];
   std::memcpy(h, file->data(), sizeof h);
   model m;
@@ -190,15 +190,15 @@ model model::load_llama2c(const std::filesystem::path& path) {
   const auto l = detail::layout_of(c);
   const std::uint64_t want = detail::llama2c_header_bytes + l.total * sizeof(float);
   if (file->size() < want)
-    throw load_error(load_errc::truncated, p,
-                     "file has " + std::to_string(file->size()) + " bytes but its header (dim " + std::to_string(c.dim) +
+    throw load_error(load_errc::truncated, "file has " + std::to_string(file->size()) + " bytes but its header (dim " + std::to_string(c.dim) +
                          ", hidden " + std::to_string(c.hidden_dim) + ", layers " + std::to_string(c.n_layers) +
                          ", vocab " + std::to_string(c.vocab_size) + ", seq_len " + std::to_string(c.seq_len) +
-                         ") needs " + std::to_string(want));
+                         ") needs " + std::to_string(want),
+                     p);
   if (file->size() != want)
-    throw load_error(load_errc::size_mismatch, p,
-                     "file has " + std::to_string(file->size()) + " bytes but its header announces " +
-                         std::to_string(want) + " (" + std::to_string(file->size() - want) + " trailing bytes)");
+    throw load_error(load_errc::size_mismatch, "file has " + std::to_string(file->size()) + " bytes but its header announces " +
+                         std::to_string(want) + " (" + std::to_string(file->size() - want) + " trailing bytes)",
+                     p);
   // The mapping is page-aligned and the header is 28 bytes, so the floats are 4-byte aligned.
   m.bind_llama2c(reinterpret_cast<const float*>(file->data() + detail::llama2c_header_bytes));
   m.storage_ = std::move(file);
@@ -231,7 +231,7 @@ model model::random(const model_config& config, std::uint64_t seed, float scale)
 void model::save_llama2c(const std::filesystem::path& path) const {
   const auto& c = config_;
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw load_error(load_errc::open_failed, path.string(), "cannot create file");
+  if (!out) throw load_error(load_errc::open_failed, "cannot create file", path.string());
   const std::int32_t h[7] = {c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,
                              c.shared_classifier ? c.vocab_size : -c.vocab_size, c.seq_len};
   out.write(reinterpret_cast<const char*>(h), sizeof h);
@@ -254,7 +254,7 @@ void model::save_llama2c(const std::filesystem::path& path) const {
   const std::vector<float> rope(static_cast<std::size_t>(c.seq_len) * static_cast<std::size_t>(c.head_dim()), 0.0f);
   put(rope.data(), rope.size());
   if (!c.shared_classifier) put(classifier_, V * d);
-  if (!out) throw load_error(load_errc::open_failed, path.string(), "write failed");
+  if (!out) throw load_error(load_errc::open_failed, "write failed", path.string());
 }
 
 // --- Hugging Face ---------------------------------------------------------------------------------
@@ -263,22 +263,22 @@ namespace {
 
 nlohmann::json read_json(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw load_error(load_errc::open_failed, path.string(), "cannot open");
+  if (!in) throw load_error(load_errc::open_failed, "cannot open", path.string());
   try {
     return nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
-    throw load_error(load_errc::bad_json, path.string(), std::string("invalid JSON: ") + e.what());
+    throw load_error(load_errc::bad_json, std::string("invalid JSON: ") + e.what(), path.string());
   }
 }
 
 template <class T>
 T json_field(const nlohmann::json& j, const char* key, const std::string& origin) {
   auto it = j.find(key);
-  if (it == j.end() || it->is_null()) throw load_error(load_errc::bad_json, origin, std::string("missing field \"") + key + "\"");
+  if (it == j.end() || it->is_null()) throw load_error(load_errc::bad_json, std::string("missing field \"") + key + "\"", origin);
   try {
     return it->get<T>();
   } catch (const nlohmann::json::exception& e) {
-    throw load_error(load_errc::bad_json, origin, std::string("field \"") + key + "\" has the wrong type: " + e.what());
+    throw load_error(load_errc::bad_json, std::string("field \"") + key + "\" has the wrong type: " + e.what(), origin);
   }
 }
 
@@ -292,7 +292,7 @@ T json_field_or(const nlohmann::json& j, const char* key, T fallback, const std:
 int json_int(const nlohmann::json& j, const char* key, const std::string& origin) {
   const auto v = json_field<std::int64_t>(j, key, origin);
   if (v <= 0 || v > (1 << 30))
-    throw load_error(load_errc::bad_header, origin, std::string("\"") + key + "\" = " + std::to_string(v) + " is out of range");
+    throw load_error(load_errc::bad_header, std::string("\"") + key + "\" = " + std::to_string(v) + " is out of range", origin);
   return static_cast<int>(v);
 }
 
@@ -302,10 +302,10 @@ model model::load_hf(const std::filesystem::path& dir) {
   const auto cfg_path = dir / "config.json";
   const std::string cp = cfg_path.string();
   const auto j = read_json(cfg_path);
-  if (!j.is_object()) throw load_error(load_errc::bad_json, cp, "top level is not an object");
+  if (!j.is_object()) throw load_error(load_errc::bad_json, "top level is not an object", cp);
   const auto type = json_field_or<std::string>(j, "model_type", "llama", cp);
   if (type != "llama" && type != "mistral")
-    throw load_error(load_errc::unsupported, cp, "model_type \"" + type + "\" is not a Llama model");
+    throw load_error(load_errc::unsupported, "model_type \"" + type + "\" is not a Llama model", cp);
   model m;
   auto& c = m.config_;
   c.dim = json_int(j, "hidden_size", cp);
@@ -322,16 +322,16 @@ model model::load_hf(const std::filesystem::path& dir) {
   c.shared_classifier = json_field_or<bool>(j, "tie_word_embeddings", false, cp);
   c.rope = rope_style::split_halves;
   if (const auto act = json_field_or<std::string>(j, "hidden_act", "silu", cp); act != "silu")
-    throw load_error(load_errc::unsupported, cp, "hidden_act \"" + act + "\" (only silu)");
+    throw load_error(load_errc::unsupported, "hidden_act \"" + act + "\" (only silu)", cp);
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
-    throw load_error(load_errc::unsupported, cp, "rope_scaling is not supported");
+    throw load_error(load_errc::unsupported, "rope_scaling is not supported", cp);
   if (json_field_or<bool>(j, "attention_bias", false, cp) || json_field_or<bool>(j, "mlp_bias", false, cp))
-    throw load_error(load_errc::unsupported, cp, "attention or MLP biases are not supported");
+    throw load_error(load_errc::unsupported, "attention or MLP biases are not supported", cp);
   c.validate(cp);
   if (j.contains("head_dim") && !j["head_dim"].is_null() && json_int(j, "head_dim", cp) != c.head_dim())
-    throw load_error(load_errc::unsupported, cp, "head_dim " + std::to_string(json_int(j, "head_dim", cp)) +
+    throw load_error(load_errc::unsupported, "head_dim " + std::to_string(json_int(j, "head_dim", cp)) +
                                                      " differs from hidden_size / num_attention_heads = " +
-                                                     std::to_string(c.head_dim()));
+                                                     std::to_string(c.head_dim()), cp);
 
   const auto st_path = dir / "model.safetensors";
   const detail::safetensors_file st(st_path);

@@ -24,9 +24,9 @@ class safetensors_file {
     try {
       file_.emplace(medusa::safetensors_file::open(path));
     } catch (const medusa::safetensors_error& e) {
-      throw load_error(classify(e.code()), path_, e.what());
+      throw load_error(classify(e.code()), e.what(), path_);
     } catch (const medusa::io_error& e) {
-      throw load_error(load_errc::open_failed, path_, e.what());
+      throw load_error(load_errc::open_failed, e.what(), path_);
     }
   }
 
@@ -36,14 +36,14 @@ class safetensors_file {
   // rows == 1), into `out` as float32.
   void read_f32(const std::string& name, std::size_t rows, std::size_t cols, float* out) const {
     const medusa::safetensors_tensor* t = file_->find(name);
-    if (t == nullptr) throw load_error(load_errc::missing_tensor, path_, "tensor \"" + name + "\" is missing");
+    if (t == nullptr) throw load_error(load_errc::missing_tensor, "tensor \"" + name + "\" is missing", path_);
     const bool shape_ok = (t->shape.size() == 2 && t->shape[0] == rows && t->shape[1] == cols) ||
                           (rows == 1 && t->shape.size() == 1 && t->shape[0] == cols);
     if (!shape_ok) {
       std::string s;
       for (auto v : t->shape) s += (s.empty() ? "" : ", ") + std::to_string(v);
-      throw load_error(load_errc::size_mismatch, path_, "tensor \"" + name + "\" has shape [" + s + "], expected [" +
-                                                           std::to_string(rows) + ", " + std::to_string(cols) + "]");
+      throw load_error(load_errc::size_mismatch, "tensor \"" + name + "\" has shape [" + s + "], expected [" +
+                                                           std::to_string(rows) + ", " + std::to_string(cols) + "]", path_);
     }
     const auto raw = file_->data(*t);
     const std::size_t n = rows * cols;
@@ -57,8 +57,8 @@ class safetensors_file {
         out[i] = t->dtype == dt::bf16 ? bf16_to_f32(v) : f16_to_f32(v);
       }
     } else {
-      throw load_error(load_errc::unsupported, path_, "tensor \"" + name + "\" has dtype " +
-                                                          std::string(medusa::dtype_name(t->dtype)) + " (F32, BF16, F16 only)");
+      throw load_error(load_errc::unsupported, "tensor \"" + name + "\" has dtype " +
+                                                          std::string(medusa::dtype_name(t->dtype)) + " (F32, BF16, F16 only)", path_);
     }
   }
 

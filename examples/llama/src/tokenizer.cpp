@@ -30,7 +30,7 @@ int parse_byte_piece(std::string_view p) {
 
 std::string read_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw load_error(load_errc::open_failed, path.string(), "cannot open");
+  if (!in) throw load_error(load_errc::open_failed, "cannot open", path.string());
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
@@ -58,20 +58,20 @@ std::string replace_all(std::string_view s, std::string_view from, std::string_v
 llama2c_tokenizer::llama2c_tokenizer(const std::filesystem::path& path, int vocab_size, bool add_dummy_prefix)
     : dummy_prefix_(add_dummy_prefix) {
   const std::string p = path.string();
-  if (vocab_size < 0) throw load_error(load_errc::bad_tokenizer, p, "negative vocab_size " + std::to_string(vocab_size));
+  if (vocab_size < 0) throw load_error(load_errc::bad_tokenizer, "negative vocab_size " + std::to_string(vocab_size), p);
   const std::string data = read_file(path);
   std::size_t off = 0;
   auto need = [&](std::size_t n, const char* what) {
     if (data.size() - off < n)
-      throw load_error(load_errc::truncated, p, std::string("file ends inside ") + what + " of token " +
-                                                    std::to_string(pieces_.size()) + " (offset " + std::to_string(off) + ")");
+      throw load_error(load_errc::truncated, std::string("file ends inside ") + what + " of token " +
+                                                    std::to_string(pieces_.size()) + " (offset " + std::to_string(off) + ")", p);
   };
   need(4, "the header");
   std::int32_t max_len = 0;
   std::memcpy(&max_len, data.data(), 4);
   off = 4;
   if (max_len <= 0 || max_len > (1 << 16))
-    throw load_error(load_errc::bad_tokenizer, p, "max_token_length " + std::to_string(max_len) + " is out of range");
+    throw load_error(load_errc::bad_tokenizer, "max_token_length " + std::to_string(max_len) + " is out of range", p);
   while (vocab_size == 0 ? off < data.size() : pieces_.size() < static_cast<std::size_t>(vocab_size)) {
     need(8, "the score/length");
     float score;
@@ -80,18 +80,18 @@ llama2c_tokenizer::llama2c_tokenizer(const std::filesystem::path& path, int voca
     std::memcpy(&len, data.data() + off + 4, 4);
     off += 8;
     if (len < 0 || len > max_len)
-      throw load_error(load_errc::bad_tokenizer, p, "token " + std::to_string(pieces_.size()) + " has length " +
+      throw load_error(load_errc::bad_tokenizer, "token " + std::to_string(pieces_.size()) + " has length " +
                                                         std::to_string(len) + " outside [0, max_token_length " +
-                                                        std::to_string(max_len) + "]");
+                                                        std::to_string(max_len) + "]", p);
     need(static_cast<std::size_t>(len), "the text");
     pieces_.emplace_back(data.data() + off, static_cast<std::size_t>(len));
     scores_.push_back(score);
     off += static_cast<std::size_t>(len);
   }
   if (off != data.size())
-    throw load_error(load_errc::size_mismatch, p, std::to_string(data.size() - off) + " bytes follow the " +
-                                                      std::to_string(pieces_.size()) + " tokens the model expects");
-  if (pieces_.size() < 3) throw load_error(load_errc::bad_tokenizer, p, "fewer than 3 tokens (unk, BOS, EOS)");
+    throw load_error(load_errc::size_mismatch, std::to_string(data.size() - off) + " bytes follow the " +
+                                                      std::to_string(pieces_.size()) + " tokens the model expects", p);
+  if (pieces_.size() < 3) throw load_error(load_errc::bad_tokenizer, "fewer than 3 tokens (unk, BOS, EOS)", p);
   for (std::size_t i = 0; i < pieces_.size(); ++i) index_.emplace(pieces_[i], static_cast<int>(i));
 }
 
@@ -193,14 +193,14 @@ hf_tokenizer::hf_tokenizer(const std::filesystem::path& path) {
   try {
     j = nlohmann::json::parse(read_file(path));
   } catch (const nlohmann::json::exception& e) {
-    throw load_error(load_errc::bad_json, p, std::string("invalid JSON: ") + e.what());
+    throw load_error(load_errc::bad_json, std::string("invalid JSON: ") + e.what(), p);
   }
   try {
     const auto& m = j.at("model");
     if (m.at("type").get<std::string>() != "BPE")
-      throw load_error(load_errc::unsupported, p, "model type \"" + m.at("type").get<std::string>() + "\" (BPE only)");
+      throw load_error(load_errc::unsupported, "model type \"" + m.at("type").get<std::string>() + "\" (BPE only)", p);
     if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null())
-      throw load_error(load_errc::unsupported, p, "pre_tokenizer " + j["pre_tokenizer"].dump() + " (only null is supported)");
+      throw load_error(load_errc::unsupported, "pre_tokenizer " + j["pre_tokenizer"].dump() + " (only null is supported)", p);
     // Normalizer: nothing, or the Llama conversion Sequence[Prepend("▁"), Replace(" " → "▁")].
     prepend_ = false;
     bool replace_spaces = false;
@@ -215,12 +215,12 @@ hf_tokenizer::hf_tokenizer(const std::filesystem::path& path) {
       for (const auto& s : steps) {
         if (s.at("type") == "Prepend" && s.at("prepend") == kSpaceMarker) prepend_ = true;
         else if (s.at("type") == "Replace" && s.at("pattern").value("String", "") == " " && s.at("content") == kSpaceMarker) replace_spaces = true;
-        else throw load_error(load_errc::unsupported, p, "normalizer step " + s.dump());
+        else throw load_error(load_errc::unsupported, "normalizer step " + s.dump(), p);
       }
     }
-    if (!replace_spaces && prepend_) throw load_error(load_errc::unsupported, p, "Prepend without Replace(\" \")");
+    if (!replace_spaces && prepend_) throw load_error(load_errc::unsupported, "Prepend without Replace(\" \")", p);
     const auto& vocab = m.at("vocab");
-    if (!vocab.is_object() || vocab.empty()) throw load_error(load_errc::bad_tokenizer, p, "model.vocab is not a non-empty object");
+    if (!vocab.is_object() || vocab.empty()) throw load_error(load_errc::bad_tokenizer, "model.vocab is not a non-empty object", p);
     const std::size_t n = vocab.size();
     pieces_.assign(n, {});
     byte_of_.assign(n, -1);
@@ -229,7 +229,7 @@ hf_tokenizer::hf_tokenizer(const std::filesystem::path& path) {
     for (const auto& [text, idj] : vocab.items()) {
       const auto id = idj.get<std::int64_t>();
       if (id < 0 || static_cast<std::size_t>(id) >= n || seen[static_cast<std::size_t>(id)])
-        throw load_error(load_errc::bad_tokenizer, p, "vocab id " + std::to_string(id) + " of \"" + text + "\" is out of range or repeated");
+        throw load_error(load_errc::bad_tokenizer, "vocab id " + std::to_string(id) + " of \"" + text + "\" is out of range or repeated", p);
       seen[static_cast<std::size_t>(id)] = true;
       vocab_.emplace(text, static_cast<int>(id));
       const auto u = static_cast<std::size_t>(id);
@@ -243,7 +243,7 @@ hf_tokenizer::hf_tokenizer(const std::filesystem::path& path) {
       for (const auto& a : j["added_tokens"]) {
         const auto id = a.at("id").get<std::int64_t>();
         if (id < 0 || static_cast<std::size_t>(id) >= n)
-          throw load_error(load_errc::bad_tokenizer, p, "added token id " + std::to_string(id) + " is outside the vocab of " + std::to_string(n));
+          throw load_error(load_errc::bad_tokenizer, "added token id " + std::to_string(id) + " is outside the vocab of " + std::to_string(n), p);
         if (a.value("special", false)) special_[static_cast<std::size_t>(id)] = true;
       }
     }
@@ -266,14 +266,14 @@ hf_tokenizer::hf_tokenizer(const std::filesystem::path& path) {
     eos_ = 2;
     if (auto it = vocab_.find("</s>"); it != vocab_.end()) eos_ = it->second;
     if (static_cast<std::size_t>(bos_) >= n || static_cast<std::size_t>(eos_) >= n)
-      throw load_error(load_errc::bad_tokenizer, p, "vocabulary too small for BOS/EOS");
+      throw load_error(load_errc::bad_tokenizer, "vocabulary too small for BOS/EOS", p);
     int rank = 0;
     for (const auto& mg : m.at("merges")) {
       std::string a, b;
       if (mg.is_string()) {
         const auto s = mg.get<std::string>();
         const auto sp = s.find(' ');
-        if (sp == std::string::npos) throw load_error(load_errc::bad_tokenizer, p, "merge \"" + s + "\" has no space");
+        if (sp == std::string::npos) throw load_error(load_errc::bad_tokenizer, "merge \"" + s + "\" has no space", p);
         a = s.substr(0, sp);
         b = s.substr(sp + 1);
       } else {
@@ -282,12 +282,12 @@ hf_tokenizer::hf_tokenizer(const std::filesystem::path& path) {
       }
       auto ia = vocab_.find(a), ib = vocab_.find(b), iab = vocab_.find(a + b);
       if (ia == vocab_.end() || ib == vocab_.end() || iab == vocab_.end())
-        throw load_error(load_errc::bad_tokenizer, p, "merge \"" + a + "\" + \"" + b + "\" uses a piece outside the vocab");
+        throw load_error(load_errc::bad_tokenizer, "merge \"" + a + "\" + \"" + b + "\" uses a piece outside the vocab", p);
       const std::uint64_t key = (static_cast<std::uint64_t>(ia->second) << 32) | static_cast<std::uint32_t>(ib->second);
       merges_.emplace(key, std::make_pair(rank++, iab->second));
     }
   } catch (const nlohmann::json::exception& e) {
-    throw load_error(load_errc::bad_json, p, std::string("unexpected tokenizer.json structure: ") + e.what());
+    throw load_error(load_errc::bad_json, std::string("unexpected tokenizer.json structure: ") + e.what(), p);
   }
 }
 

@@ -4,7 +4,9 @@
 // checkpoint validation.
 #include <medusa_llama/llama.hpp>
 
-#include "../../examples/llama/src/gemm.hpp"  // private kernels, checked against a naive reference
+#include "../src/gemm.hpp"  // private kernels, checked against a naive reference
+
+#include <medusa/decoder.hpp>
 
 #include <doctest/doctest.h>
 
@@ -65,6 +67,25 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return d;
 }
 
+// `tokens` as one batch at positions and slots start, start+1, ... (causal unless `mask` is given).
+medusa::forward_batch batch_at(const std::vector<int>& tokens, const std::vector<int>& positions, int start,
+                               std::span<float> logits, std::span<float> hidden = {}, medusa::tree_mask_view mask = {}) {
+  medusa::forward_batch b;
+  b.tokens = tokens;
+  b.positions = positions;
+  b.cache_length = start;
+  b.tree_mask = mask;
+  b.logits = logits;
+  b.hidden = hidden;
+  return b;
+}
+
+std::vector<int> iota_from(int start, std::size_t n) {
+  std::vector<int> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = start + static_cast<int>(i);
+  return v;
+}
+
 // Logits of every token of `tokens` run one at a time after [0, start).
 std::vector<float> sequential_logits(engine& e, const std::vector<int>& tokens, int start) {
   const auto V = static_cast<std::size_t>(e.config().vocab_size);
@@ -94,41 +115,40 @@ TEST_CASE("llama2c checkpoint round trip keeps config and weights") {
 TEST_CASE("batched forward equals sequential single-token forwards") {
   for (bool shared : {true, false})
     for (auto backend : {gemm_backend::builtin, gemm_backend::blas})
-      for (bool core : {true, false})
-        for (int threads : {1, 2}) {
-          CAPTURE(shared);
-          CAPTURE(static_cast<int>(backend));
-          CAPTURE(core);
-          CAPTURE(threads);
-          engine e(tiny_model(shared), {.max_batch = 32, .threads = threads, .backend = backend, .core_attention = core});
-          const auto V = static_cast<std::size_t>(e.config().vocab_size);
-          const auto D = static_cast<std::size_t>(e.config().dim);
-          const auto prefix = random_tokens(5, 97, 1);
-          const auto batch = random_tokens(19, 97, 2);
-          std::vector<float> last(V);
-          e.prefill(prefix, 0, last, {});
-          const auto seq = sequential_logits(e, batch, 5);
-          // Now the same 19 tokens as one causal batch after the same prefix.
-          e.truncate(5);
-          std::vector<int> pos(batch.size()), rows(batch.size());
-          for (std::size_t i = 0; i < batch.size(); ++i) {
-            pos[i] = 5 + static_cast<int>(i);
-            rows[i] = static_cast<int>(i);
-          }
-          std::vector<float> logits(batch.size() * V), hidden(batch.size() * D);
-          e.forward(batch, pos, pos, mask_source::causal(5), {rows, logits, hidden});
-          CHECK(e.length() == 24);
-          CHECK(max_abs_diff(seq, logits) < 1e-4);
-          // Hidden states are the final-normed vectors: their classifier product is the logits.
-          const float* cls = e.weights().classifier();
-          double dl = 0;
-          for (std::size_t v = 0; v < V; ++v) {
-            double s = 0;
-            for (std::size_t k = 0; k < D; ++k) s += static_cast<double>(cls[v * D + k]) * hidden[3 * D + k];
-            dl = std::max(dl, std::abs(s - logits[3 * V + v]));
-          }
-          CHECK(dl < 1e-4);
+      for (int threads : {1, 2}) {
+        CAPTURE(shared);
+        CAPTURE(static_cast<int>(backend));
+        CAPTURE(threads);
+        engine e(tiny_model(shared), {.max_batch = 32, .threads = threads, .backend = backend});
+        const auto V = static_cast<std::size_t>(e.config().vocab_size);
+        const auto D = static_cast<std::size_t>(e.config().dim);
+        const auto prefix = random_tokens(5, 97, 1);
+        const auto batch = random_tokens(19, 97, 2);
+        std::vector<float> last(V);
+        e.prefill(prefix, 0, last, {});
+        const auto seq = sequential_logits(e, batch, 5);
+        // Now the same 19 tokens as one causal batch after the same prefix.
+        const auto pos = iota_from(5, batch.size());
+        std::vector<float> logits(batch.size() * V), hidden(batch.size() * D);
+        e.forward(batch_at(batch, pos, 5, logits, hidden));
+        CHECK(max_abs_diff(seq, logits) < 1e-4);
+        // Hidden states are the final-normed vectors: their classifier product is the logits.
+        const float* cls = e.weights().classifier();
+        double dl = 0;
+        for (std::size_t v = 0; v < V; ++v) {
+          double s = 0;
+          for (std::size_t k = 0; k < D; ++k) s += static_cast<double>(cls[v * D + k]) * hidden[3 * D + k];
+          dl = std::max(dl, std::abs(s - logits[3 * V + v]));
         }
+        CHECK(dl < 1e-4);
+        // Only the rows from first_output_row on: the same values.
+        auto tail = batch_at(batch, pos, 5, std::span(logits).first(4 * V));
+        tail.first_output_row = 15;
+        std::vector<float> whole(logits);
+        e.forward(tail);
+        CHECK(max_abs_diff(std::vector<float>(logits.begin(), logits.begin() + static_cast<std::ptrdiff_t>(4 * V)),
+                           std::vector<float>(whole.begin() + static_cast<std::ptrdiff_t>(15 * V), whole.end())) < 1e-5);
+      }
 }
 
 TEST_CASE("tree-mask forward equals each root-to-node path run causally") {
@@ -141,86 +161,74 @@ TEST_CASE("tree-mask forward equals each root-to-node path run causally") {
   for (int i = 0; i < N; ++i)
     for (int j = i; j >= 0; j = parent[static_cast<std::size_t>(j)]) mask[static_cast<std::size_t>(i)] |= 1u << j;
   const auto tok = random_tokens(N, 97, 3);
-  for (auto rope : {rope_style::adjacent_pairs, rope_style::split_halves})
-    for (bool core : {true, false}) {
-      CAPTURE(core);
-      engine e(tiny_model(true, rope), {.threads = 2, .core_attention = core});
-      const auto V = static_cast<std::size_t>(e.config().vocab_size);
-      const int L = 7;
-      std::vector<float> scratch(V);
-      e.prefill(random_tokens(L, 97, 4), 0, scratch, {});
-      std::vector<int> pos(static_cast<std::size_t>(N)), slot(static_cast<std::size_t>(N)), rows(static_cast<std::size_t>(N));
-      for (int i = 0; i < N; ++i) {
-        pos[static_cast<std::size_t>(i)] = L + depth[static_cast<std::size_t>(i)];
-        slot[static_cast<std::size_t>(i)] = L + i;
-        rows[static_cast<std::size_t>(i)] = i;
-      }
-      std::vector<float> tree_logits(static_cast<std::size_t>(N) * V);
-      e.forward(tok, pos, slot, mask_source::tree(L, mask), {rows, tree_logits, {}});
-      CHECK(e.length() == L + N);
-      // Same tree at scattered slots (the engine's own attention path).
-      std::vector<int> slot2(static_cast<std::size_t>(N));
-      for (int i = 0; i < N; ++i) slot2[static_cast<std::size_t>(i)] = L + 3 * (N - 1 - i) + 1;
-      std::vector<float> tree2(tree_logits.size());
-      e.truncate(L);
-      e.forward(tok, pos, slot2, mask_source::tree(L, mask), {rows, tree2, {}});
-      CHECK(max_abs_diff(tree_logits, tree2) < 1e-4);
-      for (int i = 0; i < N; ++i) {
-        std::vector<int> path;
-        for (int j = i; j >= 0; j = parent[static_cast<std::size_t>(j)]) path.insert(path.begin(), tok[static_cast<std::size_t>(j)]);
-        e.truncate(L);
-        std::vector<float> last(V);
-        e.prefill(path, L, last, {});
-        const std::vector<float> row(tree_logits.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(i) * V),
-                                     tree_logits.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(i + 1) * V));
-        CHECK_MESSAGE(max_abs_diff(row, last) < 1e-4, "node " << i);
-      }
+  for (auto rope : {rope_style::adjacent_pairs, rope_style::split_halves}) {
+    engine e(tiny_model(true, rope), {.threads = 2});
+    const auto V = static_cast<std::size_t>(e.config().vocab_size);
+    const int L = 7;
+    std::vector<float> scratch(V);
+    e.prefill(random_tokens(L, 97, 4), 0, scratch, {});
+    std::vector<int> pos(static_cast<std::size_t>(N));
+    for (int i = 0; i < N; ++i) pos[static_cast<std::size_t>(i)] = L + depth[static_cast<std::size_t>(i)];
+    std::vector<float> tree_logits(static_cast<std::size_t>(N) * V);
+    e.forward(batch_at(tok, pos, L, tree_logits, {}, medusa::tree_mask_view{mask, 1}));
+    for (int i = 0; i < N; ++i) {
+      std::vector<int> path;
+      for (int j = i; j >= 0; j = parent[static_cast<std::size_t>(j)]) path.insert(path.begin(), tok[static_cast<std::size_t>(j)]);
+      std::vector<float> last(V);
+      e.prefill(path, L, last, {});
+      const std::vector<float> row(tree_logits.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(i) * V),
+                                   tree_logits.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(i + 1) * V));
+      CHECK_MESSAGE(max_abs_diff(row, last) < 1e-4, "node " << i);
     }
+  }
 }
 
-TEST_CASE("chunked prefill equals unchunked prefill") {
+TEST_CASE("causal batches longer than max_batch run in chunks with the same result") {
   const auto prompt = random_tokens(75, 97, 5);
   std::vector<float> a(97), b(97), ha(64), hb(64);
-  engine e1(tiny_model(), {.max_batch = 96, .prefill_chunk = 96, .threads = 1});
-  engine e2(tiny_model(), {.max_batch = 16, .prefill_chunk = 7, .threads = 2});
+  engine e1(tiny_model(), {.max_batch = 96, .threads = 1});
+  engine e2(tiny_model(), {.max_batch = 16, .threads = 2});
   e1.prefill(prompt, 0, a, ha);
   e2.prefill(prompt, 0, b, hb);
-  CHECK(e1.length() == 75);
-  CHECK(e2.length() == 75);
   CHECK(max_abs_diff(a, b) < 1e-4);
   CHECK(max_abs_diff(ha, hb) < 1e-4);
+  const auto k1 = e1.kv_cache(), k2 = e2.kv_cache();
+  REQUIRE(k1.num_layers() == 2);
+  CHECK(k1.num_kv_heads() == 2);
+  CHECK(k1.head_dim() == 16);
   for (int l = 0; l < 2; ++l) {
-    const auto k1 = e1.kv_layer(l), k2 = e2.kv_layer(l);
-    CHECK(k1.slot_stride == 32);
-    const std::vector<float> x(k1.v, k1.v + 75 * 32), y(k2.v, k2.v + 75 * 32);
+    const std::vector<float> x(k1.v_row(l, 0, 0), k1.v_row(l, 0, 0) + 75 * 32), y(k2.v_row(l, 0, 0), k2.v_row(l, 0, 0) + 75 * 32);
     CHECK(max_abs_diff(x, y) < 1e-4);
   }
 }
 
-TEST_CASE("generate: greedy is argmax decoding, sampling is seeded") {
+TEST_CASE("greedy decoding through the library's loop is argmax decoding; sampling is seeded") {
   engine e(tiny_model(), {.threads = 2});
-  const std::vector<int> prompt = {1, 5, 9};
-  const auto g = generate(e, prompt, {.max_new_tokens = 20});
+  const std::vector<std::int32_t> prompt = {1, 5, 9};
+  medusa::decode_options opt;
+  opt.max_new_tokens = 20;
+  const auto g = medusa::generate_vanilla(e, prompt, medusa::greedy_policy{}, opt);
   REQUIRE(g.tokens.size() == 20);
   // Replay: each token is the argmax after the prompt and the previous tokens.
-  std::vector<int> ctx = prompt;
+  std::vector<int> ctx(prompt.begin(), prompt.end());
   std::vector<float> logits(97);
   for (int t : g.tokens) {
-    e.truncate(0);
     e.prefill(ctx, 0, logits, {});
-    CHECK(argmax(logits) == t);
+    CHECK(medusa::argmax(logits) == t);
     ctx.push_back(t);
   }
-  const auto s1 = generate(e, prompt, {.max_new_tokens = 15, .temperature = 1.0f, .seed = 42});
-  const auto s2 = generate(e, prompt, {.max_new_tokens = 15, .temperature = 1.0f, .seed = 42});
+  medusa::rejection_policy hot;
+  hot.temperature = 1.0f;
+  opt.max_new_tokens = 15;
+  opt.seed = 42;
+  const auto s1 = medusa::generate_vanilla(e, prompt, hot, opt);
+  const auto s2 = medusa::generate_vanilla(e, prompt, hot, opt);
   CHECK(s1.tokens == s2.tokens);
-  const auto stop = generate(e, prompt, {.max_new_tokens = 20, .stop_tokens = {g.tokens[3]}});
-  CHECK(stop.stopped);
+  opt.max_new_tokens = 20;
+  opt.eos_token = g.tokens[3];
+  const auto stop = medusa::generate_vanilla(e, prompt, medusa::greedy_policy{}, opt);
+  CHECK(stop.reason == medusa::stop_reason::eos);
   CHECK(stop.tokens.size() <= 3);
-  CHECK(argmax(std::vector<float>{1, 3, 3, 2}) == 1);
-  sampler hot(1e-3f, 1);
-  CHECK(hot(std::vector<float>{0, 5, 1}) == 1);
-  CHECK_THROWS_AS(sampler(-1.0f), engine_error);
 }
 
 TEST_CASE("forward rejects inconsistent arguments without writing") {
@@ -228,6 +236,8 @@ TEST_CASE("forward rejects inconsistent arguments without writing") {
   std::vector<float> logits(97);
   const std::vector<int> p = {1, 2, 3, 4};
   e.prefill(p, 0, logits, {});
+  const auto kv = e.kv_cache();
+  const std::vector<float> before(kv.k_row(0, 0, 0), kv.k_row(0, 0, 0) + 40 * 32);
   auto code_of = [&](auto&& f) {
     try {
       f();
@@ -238,44 +248,48 @@ TEST_CASE("forward rejects inconsistent arguments without writing") {
     FAIL("no exception");
     return engine_errc::bad_option;
   };
-  const int row0[1] = {0};
-  auto one = [&](int tok, int pos, int slot, int prefix) {
-    e.forward(std::vector<int>{tok}, std::vector<int>{pos}, std::vector<int>{slot}, mask_source::causal(prefix), {row0, logits, {}});
+  auto one = [&](int tok, int pos, int L) {
+    const std::vector<int> t{tok}, p{pos};
+    e.forward(batch_at(t, p, L, logits));
   };
-  CHECK(code_of([&] { one(97, 4, 4, 4); }) == engine_errc::bad_token);
-  CHECK(code_of([&] { one(-1, 4, 4, 4); }) == engine_errc::bad_token);
-  CHECK(code_of([&] { one(5, 96, 4, 4); }) == engine_errc::bad_position);
-  CHECK(code_of([&] { one(5, 4, 40, 4); }) == engine_errc::bad_slot);
-  CHECK(code_of([&] { one(5, 4, 2, 4); }) == engine_errc::bad_slot);   // inside the prefix
-  CHECK(code_of([&] { one(5, 5, 5, 5); }) == engine_errc::bad_mask);   // prefix beyond length 4
-  CHECK(code_of([&] { e.forward(std::vector<int>{1, 2}, std::vector<int>{4, 5}, std::vector<int>{4, 4}, mask_source::causal(4), {}); }) == engine_errc::bad_slot);
-  CHECK(code_of([&] { e.forward(std::vector<int>(9, 1), std::vector<int>(9, 4), std::vector<int>(9, 4), mask_source::causal(4), {}); }) == engine_errc::bad_batch);
-  CHECK(code_of([&] { e.forward(std::vector<int>{}, std::vector<int>{}, std::vector<int>{}, mask_source::causal(4), {}); }) == engine_errc::bad_batch);
-  CHECK(code_of([&] { e.forward(std::vector<int>{1}, std::vector<int>{4, 5}, std::vector<int>{4}, mask_source::causal(4), {}); }) == engine_errc::bad_batch);
+  CHECK(code_of([&] { one(97, 4, 4); }) == engine_errc::bad_token);
+  CHECK(code_of([&] { one(-1, 4, 4); }) == engine_errc::bad_token);
+  CHECK(code_of([&] { one(5, 96, 4); }) == engine_errc::bad_position);
+  CHECK(code_of([&] { one(5, 4, 40); }) == engine_errc::bad_slot);   // beyond the capacity
+  CHECK(code_of([&] { one(5, 4, -1); }) == engine_errc::bad_slot);
+  const std::vector<int> none, tok1{1}, pos2{4, 5}, tok2{1, 2}, nine(9, 1), nine_pos(9, 4);
+  CHECK(code_of([&] { e.forward(batch_at(nine, nine_pos, 35, {})); }) == engine_errc::bad_slot);
+  CHECK(code_of([&] { e.forward(batch_at(none, none, 4, {})); }) == engine_errc::bad_batch);
+  CHECK(code_of([&] { e.forward(batch_at(tok1, pos2, 4, {})); }) == engine_errc::bad_batch);
   const std::uint32_t no_diag[2] = {0x1, 0x1};
   const std::uint32_t high_bits[2] = {0x1, 0x7};
+  const std::uint32_t later[2] = {0x3, 0x3};  // row 0 sees row 1, which is not its ancestor
   const std::uint32_t ok_mask[2] = {0x1, 0x3};
-  auto two = [&](std::span<const std::uint32_t> m, const forward_outputs& o) {
-    e.forward(std::vector<int>{1, 2}, std::vector<int>{4, 5}, std::vector<int>{4, 5}, mask_source::tree(4, m), o);
+  auto two = [&](std::span<const std::uint32_t> m, std::span<float> lg, std::span<float> hid = {}, int first = 0) {
+    auto b = batch_at(tok2, pos2, 4, lg, hid, medusa::tree_mask_view{m, 1});
+    b.first_output_row = first;
+    e.forward(b);
   };
   CHECK(code_of([&] { two(no_diag, {}); }) == engine_errc::bad_mask);
   CHECK(code_of([&] { two(high_bits, {}); }) == engine_errc::bad_mask);
+  CHECK(code_of([&] { two(later, {}); }) == engine_errc::bad_mask);
   CHECK(code_of([&] { two(std::span<const std::uint32_t>(ok_mask, 1), {}); }) == engine_errc::bad_mask);
-  const int bad_row[1] = {2};
-  CHECK(code_of([&] { two(ok_mask, {bad_row, logits, {}}); }) == engine_errc::bad_output);
+  const std::vector<std::uint32_t> nine_rows(9, 1);
+  CHECK(code_of([&] { e.forward(batch_at(nine, nine_pos, 4, {}, {}, medusa::tree_mask_view{nine_rows, 1})); }) ==
+        engine_errc::bad_batch);
+  CHECK(code_of([&] { two(ok_mask, logits, {}, 2); }) == engine_errc::bad_output);
   std::vector<float> small(96);
-  CHECK(code_of([&] { two(ok_mask, {row0, small, {}}); }) == engine_errc::bad_output);
-  CHECK(code_of([&] { two(ok_mask, {row0, {}, small}); }) == engine_errc::bad_output);
-  CHECK(e.length() == 4);  // nothing was written
-  CHECK(code_of([&] { e.truncate(5); }) == engine_errc::bad_slot);
-  CHECK(code_of([&] { (void)e.kv_layer(2); }) == engine_errc::bad_option);
+  CHECK(code_of([&] { two(ok_mask, small); }) == engine_errc::bad_output);
+  CHECK(code_of([&] { two(ok_mask, {}, small); }) == engine_errc::bad_output);
+  const std::vector<float> after(kv.k_row(0, 0, 0), kv.k_row(0, 0, 0) + 40 * 32);
+  CHECK(after == before);  // nothing was written
   CHECK(code_of([&] { engine bad(tiny_model(), {.max_batch = 0}); }) == engine_errc::bad_option);
   CHECK(code_of([&] { engine bad(tiny_model(), {.weights = weight_format::int8}); }) == engine_errc::bad_option);
-  CHECK(code_of([&] { e.prefill(std::vector<int>(37, 1), 4, logits, {}); }) == engine_errc::bad_batch);  // 41 > capacity
-  two(ok_mask, {row0, logits, {}});
-  CHECK(e.length() == 6);
-  e.truncate(4);
-  CHECK(e.length() == 4);
+  CHECK(code_of([&] { e.prefill(std::vector<int>(37, 1), 4, logits, {}); }) == engine_errc::bad_slot);  // 41 > capacity
+  std::vector<float> two_rows(2 * 97);
+  two(ok_mask, two_rows);
+  two(ok_mask, logits, {}, 1);  // the last row only
+  CHECK(max_abs_diff(logits, std::vector<float>(two_rows.begin() + 97, two_rows.end())) < 1e-5);
 }
 
 TEST_CASE("llama2c loader rejects truncated, oversized and inconsistent checkpoints") {
@@ -507,20 +521,17 @@ TEST_CASE("bf16 weights: close to float32, batched equals sequential") {
   CHECK(d > 0);             // the bf16 path really ran
   CHECK(d < 0.03 * scale);  // 8-bit mantissas through 2 layers: about 1% of the logit range
   // Batched vs sequential in bf16: the same float32 arithmetic on the same rounded weights.
-  e16.truncate(5);
-  std::vector<int> pos(batch.size()), rows(batch.size());
-  for (std::size_t i = 0; i < batch.size(); ++i) {
-    pos[i] = 5 + static_cast<int>(i);
-    rows[i] = static_cast<int>(i);
-  }
   std::vector<float> logits(batch.size() * V);
-  e16.forward(batch, pos, pos, mask_source::causal(5), {rows, logits, {}});
+  e16.forward(batch_at(batch, iota_from(5, batch.size()), 5, logits));
   const double db = max_abs_diff(seq16, logits);
   MESSAGE("bf16 batched vs sequential: " << db);
   CHECK(db < 1e-4);
   // Greedy continuations agree for a while at least (weights rounding moves near-ties).
-  const auto g32 = generate(e32, prefix, {.max_new_tokens = 24});
-  const auto g16 = generate(e16, prefix, {.max_new_tokens = 24});
+  medusa::decode_options opt;
+  opt.max_new_tokens = 24;
+  const std::vector<std::int32_t> prompt(prefix.begin(), prefix.end());
+  const auto g32 = medusa::generate_vanilla(e32, prompt, medusa::greedy_policy{}, opt);
+  const auto g16 = medusa::generate_vanilla(e16, prompt, medusa::greedy_policy{}, opt);
   int agree = 0;
   while (agree < 24 && g32.tokens[static_cast<std::size_t>(agree)] == g16.tokens[static_cast<std::size_t>(agree)]) ++agree;
   MESSAGE("greedy prefix agreement " << agree << " / 24");

@@ -2,7 +2,6 @@
 // medusa_llama::packed_heads (the heads on the engine's packed kernels) against the library's
 // head_stack forward, for per-head and shared projections, 0-2 ResBlocks, both formats; and the
 // decoder with packed heads stays lossless.
-#include <medusa_llama/decoder_model.hpp>
 #include <medusa_llama/llama.hpp>
 #include <medusa_llama/load.hpp>
 
@@ -150,8 +149,8 @@ TEST_CASE("packed heads reject mismatched models and buffers") {
 }
 
 TEST_CASE("decoder with packed heads equals plain greedy decoding") {
-  engine eng(model::random(tiny_config(), 9, 0.3f), engine_options{.max_batch = 64, .threads = 2});
-  decoder_model model(eng);
+  engine model(model::random(tiny_config(), 9, 0.3f), engine_options{.max_batch = 64, .threads = 2});
+  engine& eng = model;
   const auto w = random_heads(eng.weights(), 4, 17);
   packed_heads heads(eng, w.view());
   const std::vector<std::int32_t> prompt{1, 5, 9, 33, 12};

@@ -1,17 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
 // End to end on the real models in ../shared/models: greedy Medusa decoding through the example
 // engine equals plain greedy decoding token for token (random heads, several prompts and trees,
-// 256 new tokens). Skips with a message when the shared models are absent.
+// 256 new tokens), with run-time trees and, for presets, their compile-time trees through
+// medusa::dispatch_tree. Skips with a message when the shared models are absent.
+#include <medusa/dispatch.hpp>
 #include <medusa/medusa.hpp>
 
-#include <medusa_llama/decoder_model.hpp>
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/load.hpp>
+#include <medusa_llama/packed_heads.hpp>
 
 #include <doctest/doctest.h>
 
 #include <filesystem>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -38,11 +41,8 @@ void check_lossless(const std::filesystem::path& model_path, const std::filesyst
   medusa_llama::engine_options eo;
   eo.max_batch = 64;
   eo.threads = 2;
-  medusa_llama::engine engine(std::move(lm.weights), eo);
-  medusa_llama::decoder_model model(engine);
-  auto stack = heads_w.view();
-  medusa::portable_gemm<> gemm;
-  medusa::head_stack_runner<medusa::head_stack<>, medusa::portable_gemm<>> heads(&stack, &gemm);
+  medusa_llama::engine model(std::move(lm.weights), eo);
+  medusa_llama::packed_heads heads(model, heads_w.view(), medusa_llama::weight_format::f32);
   medusa::decode_options opt;
   opt.max_new_tokens = new_tokens;
   opt.eos_token = eos;
@@ -53,11 +53,21 @@ void check_lossless(const std::filesystem::path& model_path, const std::filesyst
       CAPTURE(model_path.string());
       CAPTURE(prompts[p]);
       CAPTURE(t);
-      medusa::decoder dec(model, heads, medusa::tree::from_text(t), medusa::greedy_policy{});
+      const auto tree = medusa::tree::from_text(t);
+      medusa::decoder dec(model, heads, tree, medusa::greedy_policy{});
       const auto out = dec.generate(encoded[p], opt);
       CHECK(out.tokens == vanilla.tokens);
       CHECK(out.reason == vanilla.reason);
       CHECK(out.stats.tree_steps > 0);
+      // A preset again on its compile-time tree.
+      bool is_static = false;
+      const auto dispatched = medusa::dispatch_tree(tree, [&](const auto& tr) {
+        is_static = !std::is_same_v<std::remove_cvref_t<decltype(tr)>, medusa::tree>;
+        medusa::decoder d(model, heads, tr, medusa::greedy_policy{});
+        return d.generate(encoded[p], opt);
+      });
+      CHECK(is_static == (medusa::preset_index(t) < medusa::preset_table.size()));
+      CHECK(dispatched.tokens == vanilla.tokens);
     }
   }
 }

@@ -85,7 +85,7 @@ void distill_cache_writer::add(std::span<const std::int32_t> tokens, std::span<c
   for (std::size_t i = 0; i < n; ++i)
     if (tokens[i] < 0 || static_cast<std::size_t>(tokens[i]) >= v_)
       throw medusa::invalid_input("distill cache: token " + std::to_string(tokens[i]) + " outside [0, " + std::to_string(v_) + ")");
-  const std::size_t es = medusa::weight_dtype_size(dtype_);
+  const std::size_t es = medusa::dtype_size(dtype_);
   const std::size_t bytes = record_bytes(n, d_, es);
   buf_.assign(bytes, 0);
   unsigned char* p = buf_.data();
@@ -198,7 +198,7 @@ distill_cache distill_cache::open(const std::filesystem::path& path) {
   c.hash_ = get<std::uint64_t>(base + 40);
   if (get<std::uint64_t>(base + 48) != 1) fail("incomplete file");
   if (c.d_ == 0 || c.v_ == 0) fail("zero hidden or vocab size");
-  const std::size_t es = medusa::weight_dtype_size(c.dtype_);
+  const std::size_t es = medusa::dtype_size(c.dtype_);
   std::uint64_t off = header_bytes, rows = 0;
   if (n_rec > size / record_header_bytes) fail("record count " + std::to_string(n_rec) + " exceeds the file");
   c.records_.reserve(static_cast<std::size_t>(n_rec));

@@ -1,17 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <medusa_train/pipeline.hpp>
 
-#include <medusa_llama/decoder_model.hpp>
 #include <medusa_llama/load.hpp>
-
-#include "../../blas/openblas_gemm.hpp"
 
 #include <medusa/decoder.hpp>
 #include <medusa/io/head_checkpoint.hpp>
 #include <medusa/tree.hpp>
 
 #include <medusa_llama/engine.hpp>
-#include <medusa_llama/generate.hpp>
+#include <medusa_llama/packed_heads.hpp>
 #include <medusa_llama/model.hpp>
 #include <medusa_llama/tokenizer.hpp>
 
@@ -213,11 +210,9 @@ run_report run_training(const run_options& o, const run_events& ev) {
     medusa_llama::engine_options eo;
     eo.threads = threads;
     eo.max_batch = 64;
-    medusa_llama::engine e(m, eo);
-    medusa_llama::decoder_model dm(e);
-    const auto stack = trainer.weights().view();
-    medusa_blas::openblas_gemm gemm;
-    medusa::head_stack_runner<medusa::head_stack<>, medusa_blas::openblas_gemm> runner{&stack, &gemm};
+    medusa_llama::engine dm(m, eo);
+    // The heads run as medusa-run runs them: packed (int8) on the engine's threads.
+    medusa_llama::packed_heads runner(dm, trainer.weights().view());
     std::vector<std::vector<std::int32_t>> ps;
     for (int i = 0; i < o.decode_prompts; ++i) {
       const auto p = prompts.prompt(split::eval, static_cast<std::uint64_t>(i) + 1000003, o.seed, *tok, o.prompt_min, o.prompt_max);

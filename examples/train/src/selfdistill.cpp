@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <medusa_train/selfdistill.hpp>
 
-#include <medusa_llama/generate.hpp>
+#include <medusa/acceptance.hpp>
+#include <medusa/candidates.hpp>
+#include <medusa/decoder.hpp>
 
 #include <algorithm>
 #include <array>
@@ -205,15 +207,20 @@ distill_stats generate_distill(medusa_llama::engine& e, const medusa_llama::toke
   const auto t0 = clock_type::now();
   auto last_report = t0;
   distill_stats st;
-  medusa_llama::sampler sample(opt.temperature, opt.seed ^ 0xd15711ull);
+  // Sampled continuations draw from the temperature-scaled distribution with the library's
+  // counter-based sampler (one Philox counter per draw).
+  const medusa::sampling_warp warp{opt.temperature, 0, 1.0f};
+  medusa::acceptance_workspace ws(0, cfg.vocab_size);
+  std::uint64_t draws = 0;
   std::vector<float> logits(static_cast<std::size_t>(max_batch) * V), hidden(static_cast<std::size_t>(max_batch) * d);
   std::vector<std::int32_t> toks;
   std::vector<float> hid;
-  std::vector<int> ctx, batch, positions, rows(static_cast<std::size_t>(max_batch));
-  for (int i = 0; i < max_batch; ++i) rows[static_cast<std::size_t>(i)] = i;
+  std::vector<int> ctx, batch, positions;
   std::uint64_t train_index = 0, eval_index = 0;
   std::uint64_t generated = 0;
-  auto choose = [&](std::span<const float> z) { return opt.temperature > 0 ? sample(z) : medusa_llama::argmax(z); };
+  auto choose = [&](std::span<const float> z) {
+    return opt.temperature > 0 ? medusa::sample_token(z, warp, opt.seed ^ 0xd15711ull, draws++, ws) : medusa::argmax(z);
+  };
   while (st.rows < opt.tokens) {
     if (opt.deadline && clock_type::now() >= *opt.deadline) {
       st.deadline_hit = true;
@@ -251,14 +258,19 @@ distill_stats generate_distill(medusa_llama::engine& e, const medusa_llama::toke
       positions.resize(static_cast<std::size_t>(T));
       for (int i = 0; i < T; ++i) positions[static_cast<std::size_t>(i)] = pos + i;
       const auto uT = static_cast<std::size_t>(T);
-      e.forward(batch, positions, positions, medusa_llama::mask_source::causal(pos),
-                {std::span<const int>(rows).first(uT), std::span(logits).first(uT * V), std::span(hidden).first(uT * d)});
+      medusa::forward_batch fb;
+      fb.tokens = batch;
+      fb.positions = positions;
+      fb.cache_length = pos;
+      fb.logits = std::span(logits).first(uT * V);
+      fb.hidden = std::span(hidden).first(uT * d);
+      e.forward(fb);
       ++st.forwards;
       st.drafted += static_cast<std::uint64_t>(T - 1);
       hid.insert(hid.end(), hidden.begin(), hidden.begin() + static_cast<std::ptrdiff_t>(d));
       int a = 0;
       bool stop = false;
-      while (a < T - 1 && medusa_llama::argmax(std::span<const float>(logits).subspan(static_cast<std::size_t>(a) * V, V)) == batch[static_cast<std::size_t>(a) + 1]) {
+      while (a < T - 1 && medusa::argmax(std::span<const float>(logits).subspan(static_cast<std::size_t>(a) * V, V)) == batch[static_cast<std::size_t>(a) + 1]) {
         const int tk = batch[static_cast<std::size_t>(a) + 1];
         ++a;
         toks.push_back(tk);

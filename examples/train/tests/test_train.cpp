@@ -3,7 +3,7 @@
 // a synthetic task the heads must learn, the self-distillation cache (format, reuse, misses),
 // determinism of a whole run, and lossless decoding with the trained heads — all on data and
 // models made here (a random Llama model and a byte-level tokenizer).
-#include <medusa_llama/decoder_model.hpp>
+#include <medusa_llama/packed_heads.hpp>
 #include <medusa_train/pipeline.hpp>
 #include <medusa_train/trainer.hpp>
 
@@ -379,11 +379,8 @@ TEST_CASE("whole run on a tiny model: cache reuse and misses, determinism, lossl
   CHECK(loaded.heads.num_heads() == 3);
   CHECK(loaded.heads.num_layers() == 1);
   CHECK(loaded.warnings.empty());
-  auto stack = loaded.heads.view();
-  medusa::portable_gemm<> gemm;
-  medusa::head_stack_runner<medusa::head_stack<>, medusa::portable_gemm<>> runner{&stack, &gemm};
-  medusa_llama::engine e(medusa_llama::model::load_llama2c(a.model), {.threads = 1});
-  medusa_llama::decoder_model m(e);
+  medusa_llama::engine m(medusa_llama::model::load_llama2c(a.model), {.threads = 1});
+  medusa_llama::packed_heads runner(m, loaded.heads.view());
   medusa::decode_options dopt;
   dopt.max_new_tokens = 60;
   const std::vector<std::int32_t> prompt{1, 103, 104, 105};

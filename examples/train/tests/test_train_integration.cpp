@@ -2,7 +2,7 @@
 // End to end on the real pycode-15m model (skips when MEDUSA_SHARED_DIR has no models): train
 // heads by self-distillation with a small budget, save, load the directory back with the head
 // checkpoint loader, and decode: greedy Medusa output must equal plain greedy output.
-#include <medusa_llama/decoder_model.hpp>
+#include <medusa_llama/packed_heads.hpp>
 #include <medusa_train/pipeline.hpp>
 
 #include <medusa/decoder.hpp>
@@ -13,7 +13,6 @@
 #include <medusa_llama/model.hpp>
 #include <medusa_llama/tokenizer.hpp>
 
-#include "../../examples/blas/openblas_gemm.hpp"
 
 #include <doctest/doctest.h>
 
@@ -64,12 +63,8 @@ TEST_CASE("pycode-15m: train with a small budget, reload, decode losslessly") {
   auto loaded = medusa::load_heads(out, lo);
   CHECK(loaded.warnings.empty());
   CHECK(loaded.heads.num_layers() == 1);
-  auto stack = loaded.heads.view();
-  medusa_blas::openblas_gemm gemm;
-  medusa::head_stack_runner<medusa::head_stack<>, medusa_blas::openblas_gemm> runner{&stack, &gemm};
-
-  medusa_llama::engine e(medusa_llama::model::load_llama2c(model_dir / "model.bin"), {.threads = 2});
-  medusa_llama::decoder_model m(e);
+  medusa_llama::engine m(medusa_llama::model::load_llama2c(model_dir / "model.bin"), {.threads = 2});
+  medusa_llama::packed_heads runner(m, loaded.heads.view());
   medusa_llama::llama2c_tokenizer tok(model_dir / "tokenizer.bin", 2048, false);
   medusa::decode_options dopt;
   dopt.max_new_tokens = 64;

@@ -8,6 +8,7 @@
 #include <medusa/error.hpp>
 
 #include <string>
+#include <string_view>
 
 MEDUSA_NAMESPACE_BEGIN
 
@@ -22,10 +23,25 @@ enum class acceptance_errc {
   too_deep,            //!< the tree is deeper than a verify result can hold
 };
 
+//! The enumerator's name, e.g. `"non_finite_logit"`.
+constexpr std::string_view to_string(acceptance_errc code) noexcept {
+  switch (code) {
+    case acceptance_errc::size_mismatch: return "size_mismatch";
+    case acceptance_errc::vocab_mismatch: return "vocab_mismatch";
+    case acceptance_errc::token_out_of_range: return "token_out_of_range";
+    case acceptance_errc::non_finite_logit: return "non_finite_logit";
+    case acceptance_errc::bad_parameter: return "bad_parameter";
+    case acceptance_errc::bad_draft: return "bad_draft";
+    case acceptance_errc::too_deep: return "too_deep";
+  }
+  return "unknown";
+}
+
 //! Bad input to a candidates or acceptance call. `node()` is the tree node (or head, for top-k
 //! calls, as documented per function) that the error is about, -1 when none.
 class acceptance_error : public invalid_input {
  public:
+  //! @param code the kind of problem; @param what the message; @param node the node (or head) concerned, -1 if none.
   acceptance_error(acceptance_errc code, const std::string& what, int node = -1)
       : invalid_input(what), code_(code), node_(node) {}
   //! The error code.

@@ -107,7 +107,7 @@ struct aligned_bytes_delete {
 // Converts n elements between weight dtypes; src may be unaligned (it comes from a file).
 inline void convert_weights(const std::byte* src, weight_dtype sdt, std::byte* dst, weight_dtype ddt, std::size_t n) noexcept {
   if (sdt == ddt) {
-    std::memcpy(dst, src, n * weight_dtype_size(sdt));
+    std::memcpy(dst, src, n * dtype_size(sdt));
     return;
   }
   for (std::size_t i = 0; i < n; ++i) {
@@ -169,7 +169,7 @@ class head_weights {
     std::size_t n = checked_mul(blocks, checked_mul(hidden, hidden));
     n += checked_mul(blocks, hidden);
     if (kind == projection_kind::per_head) n += checked_mul(heads, checked_mul(vocab, hidden));
-    bytes_ = checked_mul(n, weight_dtype_size(dtype));
+    bytes_ = checked_mul(n, dtype_size(dtype));
     arena_.reset(static_cast<std::byte*>(::operator new[](std::max<std::size_t>(bytes_, 1), std::align_val_t{64})));
     std::memset(arena_.get(), 0, bytes_);
   }
@@ -248,7 +248,7 @@ class head_weights {
   //! A copy with every tensor converted to `dtype` (e.g. bf16 → f32 once, for BLAS).
   [[nodiscard]] head_weights to_dtype(weight_dtype dtype) const {
     head_weights out(d_, v_, k_, l_, kind_, dtype);
-    detail::convert_weights(arena_.get(), dtype_, out.arena_.get(), dtype, bytes_ / weight_dtype_size(dtype_));
+    detail::convert_weights(arena_.get(), dtype_, out.arena_.get(), dtype, bytes_ / dtype_size(dtype_));
     return out;
   }
 
@@ -287,7 +287,7 @@ class head_weights {
                                                                     " out of range (K=" + std::to_string(k_) + ", L=" + std::to_string(l_) + ")");
   }
   std::span<std::byte> span_at(std::size_t elem_offset, std::size_t n) const {
-    const std::size_t s = weight_dtype_size(dtype_);
+    const std::size_t s = dtype_size(dtype_);
     return {arena_.get() + elem_offset * s, n * s};
   }
   weight_ptr ptr(std::span<std::byte> s) const { return {s.data(), dtype_}; }
@@ -726,9 +726,9 @@ std::filesystem::path save_heads(const std::filesystem::path& dir, const head_st
     for (auto s : shape) n *= static_cast<std::size_t>(s);
     const weight_dtype out = opt.dtype ? *opt.dtype : p.dtype;
     seen = out;
-    std::span<const std::byte> bytes(static_cast<const std::byte*>(p.data), n * weight_dtype_size(p.dtype));
+    std::span<const std::byte> bytes(static_cast<const std::byte*>(p.data), n * dtype_size(p.dtype));
     if (out != p.dtype) {
-      auto& buf = converted.emplace_back(n * weight_dtype_size(out));
+      auto& buf = converted.emplace_back(n * dtype_size(out));
       detail::convert_weights(bytes.data(), p.dtype, buf.data(), out, n);
       bytes = buf;
     }

@@ -33,7 +33,8 @@ MEDUSA_NAMESPACE_BEGIN
 //! Malformed JSON; `offset()` is the byte position where parsing stopped.
 class json_error : public invalid_input {
  public:
-  json_error(std::size_t offset, const std::string& what)
+  //! @param what the problem; @param offset byte position where parsing stopped.
+  json_error(const std::string& what, std::size_t offset)
       : invalid_input("JSON error at byte " + std::to_string(offset) + ": " + what), offset_(offset) {}
   //! Byte offset of the problem in the parsed text.
   [[nodiscard]] std::size_t offset() const noexcept { return offset_; }
@@ -142,7 +143,7 @@ class json_parser {
   }
 
  private:
-  [[noreturn]] void fail(const std::string& what) const { throw json_error(pos_, what); }
+  [[noreturn]] void fail(const std::string& what) const { throw json_error(what, pos_); }
 
   void skip_ws() noexcept {
     while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r'))
@@ -195,7 +196,7 @@ class json_parser {
       const std::size_t key_pos = pos_;
       std::string key = parse_string();
       for (const auto& k : v.keys_)
-        if (k == key) throw json_error(key_pos, "duplicate key \"" + key + "\"");
+        if (k == key) throw json_error("duplicate key \"" + key + "\"", key_pos);
       skip_ws();
       if (peek() != ':') fail("expected ':'");
       ++pos_;
@@ -263,14 +264,14 @@ class json_parser {
     double d = 0.0;
     const auto [ptr, ec] = std::from_chars(v.text_.data(), v.text_.data() + v.text_.size(), d);
     // from_chars reports out-of-range for overflow (and for underflow, which is harmless).
-    if (ptr != v.text_.data() + v.text_.size()) throw json_error(begin, "invalid number");
+    if (ptr != v.text_.data() + v.text_.size()) throw json_error("invalid number", begin);
     if (ec == std::errc::result_out_of_range) {
       // Only a negative exponent can underflow; anything else overflowed.
       if (v.text_.find("e-") == std::string::npos && v.text_.find("E-") == std::string::npos)
-        throw json_error(begin, "number out of range: " + v.text_);
+        throw json_error("number out of range: " + v.text_, begin);
       d = 0.0;
     } else if (ec != std::errc{} || !std::isfinite(d)) {
-      throw json_error(begin, "number out of range: " + v.text_);
+      throw json_error("number out of range: " + v.text_, begin);
     }
     v.number_ = d;
   }

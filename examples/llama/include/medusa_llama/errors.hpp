@@ -10,6 +10,7 @@
 #include <medusa/error.hpp>
 
 #include <string>
+#include <string_view>
 
 namespace medusa_llama {
 
@@ -26,12 +27,13 @@ enum class load_errc {
 };
 
 //! Name of a `load_errc` value ("truncated", ...).
-[[nodiscard]] const char* to_string(load_errc code) noexcept;
+[[nodiscard]] std::string_view to_string(load_errc code) noexcept;
 
 //! A checkpoint or tokenizer could not be loaded; `what()` names the file and the numbers involved.
 class load_error : public medusa::io_error {
  public:
-  load_error(load_errc code, const std::string& path, const std::string& what)
+  //! @param code the kind of failure; @param what the problem; @param path the file.
+  load_error(load_errc code, const std::string& what, const std::string& path)
       : medusa::io_error(path + ": " + what), code_(code), path_(path) {}
   //! The kind of failure.
   [[nodiscard]] load_errc code() const noexcept { return code_; }

@@ -5,7 +5,6 @@
 
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/errors.hpp>
-#include <medusa_llama/generate.hpp>
 #include <medusa_llama/model.hpp>
 #include <medusa_llama/packed_heads.hpp>
 #include <medusa_llama/thread_pool.hpp>

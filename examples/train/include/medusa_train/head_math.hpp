@@ -26,6 +26,7 @@
 #include <medusa/config.hpp>
 #include <medusa/error.hpp>
 #include <medusa/gemm.hpp>
+#include <medusa/parallel.hpp>
 
 #include <cblas.h>
 
@@ -168,13 +169,13 @@ void head_logits(const head_shape& s, const T* params, const T* x, std::size_t B
 //! @param x        [B][d] final-normed hidden states
 //! @param targets  [B][K] token ids, `ignore_index` for none
 //! @param weights  [K] loss weight per head (decay^k)
-//! @param parallel_for `pf(n, body)` running `body(i)` for i < n, possibly concurrently (rows are
-//!        independent, so the result does not depend on how it splits them)
+//! @param pf       a parallel-for (medusa/parallel.hpp) over the rows (rows are independent, so the
+//!                 result does not depend on how it splits them)
 //! @throws medusa::invalid_input for a target outside [0, V) other than `ignore_index`
-template <class T, class ParallelFor = medusa::serial_for>
+template <class T, medusa::parallel_for ParallelFor = medusa::sequential_for>
 head_batch_stats head_loss_grad(const head_shape& s, const T* params, T* grads, const T* x, std::size_t B,
                                 const std::int32_t* targets, const T* weights, head_workspace<T>& ws,
-                                ParallelFor&& parallel_for = {}) {
+                                ParallelFor&& pf = {}) {
   check_shape(s);
   const std::size_t d = s.d, V = s.V, K = s.K, L = s.L;
   for (std::size_t i = 0; i < B * K; ++i)
@@ -205,7 +206,7 @@ head_batch_stats head_loss_grad(const head_shape& s, const T* params, T* grads, 
       T* xn = ws.xs.data() + (l + 1) * B * d;
       detail::blas_gemm(false, true, B, d, d, T(1), xl, d, params + s.w_offset(k, l), d, T(0), t, d);
       const T* b = params + s.b_offset(k, l);
-      parallel_for(B, [&](std::size_t i) {
+      pf(B, [&](std::size_t i) {
         for (std::size_t j = 0; j < d; ++j) {
           const T a = t[i * d + j] + b[j];
           t[i * d + j] = a;
@@ -217,7 +218,7 @@ head_batch_stats head_loss_grad(const head_shape& s, const T* params, T* grads, 
     T* z = ws.z.data();
     detail::blas_gemm(false, true, B, V, d, T(1), xL, d, params + s.u_offset(k), d, T(0), z, V);
     const T scale = weights[k] / static_cast<T>(n);
-    parallel_for(B, [&](std::size_t i) {
+    pf(B, [&](std::size_t i) {
       const std::int32_t y = targets[i * K + k];
       T* zi = z + i * V;
       if (y == ignore_index) {
@@ -248,7 +249,7 @@ head_batch_stats head_loss_grad(const head_shape& s, const T* params, T* grads, 
       const T* t = ws.ts.data() + l * B * d;
       const T* xl = ws.xs.data() + l * B * d;
       // x_{l+1} = x_l + SiLU(t): dt = dx · SiLU'(t), SiLU'(t) = σ(t)(1 + t(1 − σ(t))).
-      parallel_for(B, [&](std::size_t i) {
+      pf(B, [&](std::size_t i) {
         for (std::size_t j = 0; j < d; ++j) {
           const T a = t[i * d + j];
           const T sg = detail::sigmoid(a);
