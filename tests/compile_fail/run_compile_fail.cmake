@@ -1,0 +1,28 @@
+# SPDX-License-Identifier: Apache-2.0
+# A compile-fail test: SOURCE must compile with -DMEDUSA_COMPILE_FAIL_CONTROL (so the failure is
+# the construct under test, not a typo) and must fail without it, with every regex in EXPECT
+# (a ;-list) found in the compiler's output.
+foreach(var COMPILER SOURCE INCLUDE_DIR)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "run_compile_fail.cmake: ${var} is not set")
+  endif()
+endforeach()
+if(NOT EXISTS "${COMPILER}")
+  message("compiler ${COMPILER} not found: skipped")
+  cmake_language(EXIT 77)
+endif()
+set(cmd "${COMPILER}" -std=c++20 -fsyntax-only -I "${INCLUDE_DIR}" "${SOURCE}")
+execute_process(COMMAND ${cmd} -DMEDUSA_COMPILE_FAIL_CONTROL RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "the control version of ${SOURCE} does not compile:\n${out}")
+endif()
+execute_process(COMMAND ${cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(rc EQUAL 0)
+  message(FATAL_ERROR "${SOURCE} compiled, but it must not")
+endif()
+foreach(re IN LISTS EXPECT)
+  if(NOT out MATCHES "${re}")
+    message(FATAL_ERROR "the compiler's message lacks '${re}':\n${out}")
+  endif()
+endforeach()
+message("${SOURCE} fails to compile as expected")
