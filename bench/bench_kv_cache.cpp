@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Accepted-path commit (spec §6): 32 layers x 8 KV heads x 128 dims, A = 4 accepted drafts out
-// of a 64-node tree pass, for float and bfloat16, contiguous (NHD, HND) and paged caches.
+// Accepted-path commit (docs/kv_cache.md): 32 layers x 8 KV heads x 128 dims, A = 4 accepted
+// drafts out of a 64-node tree pass, for float and bfloat16, contiguous (NHD, HND) and paged
+// caches.
 #include <medusa/kv_cache.hpp>
 
 #include <benchmark/benchmark.h>

@@ -2,7 +2,7 @@
 //! @file medusa-accept.cpp
 //! `medusa-accept [--input PATH]`: runs greedy or typical acceptance on one tree step given as
 //! JSON (stdin without --input) and prints `{"best_path":…, "accept_length":…,
-//! "accepted_nodes":[…]}`. The contract is in ../shared/conformance/README.md. Bad input: exit 2
+//! "accepted_nodes":[…]}`. The contract is in docs/tools.md. Bad input: exit 2
 //! and one line on stderr. An absent "temperature" is 0.7 (`medusa::policy_options`).
 #include <medusa/acceptance.hpp>
 #include <medusa/dispatch.hpp>

@@ -4,8 +4,8 @@
 //! [--max-depth D] [--format json|text|dot]`: compiles a Medusa tree and prints its buffers.
 //!
 //! * `json` (default): one object with `num_nodes`, `depth`, `topk`, `sorted_choices`, `parent`,
-//!   `position_ids`, `tree_indices`, `retrieve_indices`, `attn_mask` (the contract of
-//!   ../shared/conformance/README.md).
+//!   `position_ids`, `tree_indices`, `retrieve_indices`, `attn_mask` (the contract is in
+//!   docs/tools.md).
 //! * `text`: the tree drawn for a person (node id, path, rank, depth, tree index).
 //! * `dot`: Graphviz.
 //! Invalid input: exit 2 and one line on stderr.

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file acceptance.hpp
-//! Acceptance (spec §5): which drafted tree nodes to commit, and the bonus token of the next step.
+//! Acceptance (docs/acceptance.md): which drafted tree nodes to commit, and the bonus token of the
+//! next step.
 //!
 //! A policy is a small struct passed as a template parameter. Two kinds exist:
 //! - *node-test* policies (`greedy_policy`, `typical_policy`, user policies): a deterministic
@@ -65,10 +66,11 @@ concept node_test_policy =
       { p.accepts(s, z, token) } -> std::convertible_to<bool>;
     };
 
-//! Lossless tree speculative sampling (spec §5.6). Required: `temperature`, `top_k` (0 = off),
-//! `top_p` (≥ 1 = off) describing the warp of the target distribution, and a `static constexpr
-//! bool draft_distributions`: false = drafts are deterministic (point masses, e.g. top-k tokens);
-//! true = each node's token was drawn from a draft distribution given in the request.
+//! Lossless tree speculative sampling (docs/acceptance.md). Required: `temperature`, `top_k`
+//! (0 = off), `top_p` (≥ 1 = off) describing the warp of the target distribution, and a
+//! `static constexpr bool draft_distributions`: false = drafts are deterministic (point masses,
+//! e.g. top-k tokens); true = each node's token was drawn from a draft distribution given in the
+//! request.
 template <class P>
 concept sampling_policy = requires(const P& p) {
   { p.temperature } -> std::convertible_to<float>;
@@ -87,7 +89,7 @@ inline void check_param(bool ok, const std::string& what) {
 }
 }  // namespace detail
 
-//! Greedy acceptance (spec §5.2): a child passes iff its token is the argmax of the parent's raw
+//! Greedy acceptance: a child passes iff its token is the argmax of the parent's raw
 //! logits (ties → lowest id). First row of maximal length wins.
 struct greedy_policy {
   static constexpr std::string_view name = "greedy";  //!< name in `dispatch_policy` and the tools
@@ -106,16 +108,16 @@ struct greedy_policy {
   }
 };
 
-//! Typical acceptance (spec §5.3), lossy and deterministic:
+//! Typical acceptance, lossy and deterministic:
 //! `q = softmax(z/T)`, `H = −Σ q·ln(q + 1e-5)`, `τ = min(posterior_threshold,
 //! posterior_alpha·exp(−H))`; a child passes iff `q(token) > τ` (strict). Rows of equal length are
 //! ranked by the summed `ln q` of their accepted tokens. `temperature == 0` is greedy (as in the
 //! reference). The bonus is the argmax (the reference's default "fast" root).
 struct typical_policy {
   static constexpr std::string_view name = "typical";  //!< name in `dispatch_policy` and the tools
-  float temperature = 0.0f;           //!< T; 0 = greedy (spec default)
-  float posterior_threshold = 0.09f;  //!< ε of the paper (spec default 0.09)
-  float posterior_alpha = 0.3f;       //!< δ of the paper (spec default 0.3)
+  float temperature = 0.0f;           //!< T; 0 = greedy (the default)
+  float posterior_threshold = 0.09f;  //!< ε of the paper (default 0.09)
+  float posterior_alpha = 0.3f;       //!< δ of the paper (default 0.3)
 
   //! Softmax statistics of the parent row and its threshold τ.
   struct parent_state {
@@ -186,7 +188,7 @@ struct sampling_warp {
   }
 };
 
-//! Lossless tree rejection sampling for deterministic drafts (spec §5.6): at each node the
+//! Lossless tree rejection sampling for deterministic drafts (docs/acceptance.md): at each node the
 //! children are tried in node order against the residual of the target; the bonus is drawn from
 //! the final residual. With T == 0 it is exactly greedy plus bonus = argmax.
 struct rejection_policy : sampling_warp {
@@ -220,7 +222,7 @@ struct verify_request {
   std::int32_t eos_token = -1;                //!< stop after an accepted EOS draft (-1 = off)
 };
 
-//! Result of verifying one request (spec §5.7).
+//! Result of verifying one request.
 struct verify_result {
   //! Longest root-to-node path a result can hold (depth + 1).
   static constexpr int max_path = 64;
@@ -634,7 +636,7 @@ verify_result verify_sampling(const Tree& t, const verify_request& req, const Po
 }  // namespace detail
 
 //! Verifies one request: runs the policy over the tree and returns the accepted path, the tokens
-//! to commit and the bonus token (spec §5.7).
+//! to commit and the bonus token.
 //! @throws acceptance_error on shape/vocab mismatches, token ids outside [0, vocab), NaN/Inf in
 //!         a row that is read (node() names it), bad policy parameters or draft rows.
 template <tree_like Tree, acceptance_policy Policy>
@@ -687,8 +689,8 @@ void verify_batch(const Tree& t, std::span<const verify_request> requests, const
   }
 }
 
-//! Draws one token from the warped distribution of a logit row (spec §4 sampling root; the
-//! rejection mode's first root after prefill). Uses draw 0 of Philox(`seed`, `step`): give the
+//! Draws one token from the warped distribution of a logit row (a sampled root: the rejection
+//! mode's first root after prefill). Uses draw 0 of Philox(`seed`, `step`): give the
 //! prefill root a step number that no verify call of the same request uses.
 //! @throws acceptance_error on an empty or non-finite row or bad warp parameters.
 inline std::int32_t sample_token(std::span<const float> z, const sampling_warp& warp,

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file candidates.hpp
-//! Candidates (spec §4): per-head top-k over the vocabulary, the gather of the flat candidate
-//! vector into tree-node tokens, and the reference's per-path candidate rows.
+//! Candidates (docs/acceptance.md): per-head top-k over the vocabulary, the gather of the flat
+//! candidate vector into tree-node tokens, and the reference's per-path candidate rows.
 //!
 //! Conventions: head `h` (0-based) feeds tree depth `h + 1`; it needs only its best
 //! `k_d = max_rank(d) + 1` tokens, but the flat vector keeps stride `K = tree.topk()` so that
@@ -55,7 +55,7 @@ inline void check_vocab(int vocab) {
 }  // namespace detail
 
 //! Writes the `ids.size()` best token ids of `logits` to `ids`, best first, equal logits by
-//! ascending id (spec §4). Raw logits: no temperature, no filter.
+//! ascending id. Raw logits: no temperature, no filter.
 //! @throws acceptance_error `size_mismatch` if `ids` is empty or longer than the row,
 //!         `non_finite_logit` (node() = -1) on NaN or ±Inf.
 inline void top_k(std::span<const float> logits, std::span<std::int32_t> ids) {
@@ -67,7 +67,7 @@ inline void top_k(std::span<const float> logits, std::span<std::int32_t> ids) {
   detail::top_k_ids(logits.data(), logits.size(), static_cast<int>(ids.size()), ids.data());
 }
 
-//! The id of the largest logit, lowest id on ties (the greedy root, spec §4).
+//! The id of the largest logit, lowest id on ties (the greedy root).
 //! @throws acceptance_error `vocab_mismatch` on an empty row, `non_finite_logit` on NaN or ±Inf.
 inline std::int32_t argmax(std::span<const float> logits) {
   if (logits.empty())
@@ -89,7 +89,7 @@ std::size_t flat_candidates_size(const Tree& t, int num_heads) {
   return 1 + static_cast<std::size_t>(t.topk()) * static_cast<std::size_t>(num_heads);
 }
 
-//! `node_tokens[u] = flat[tree_index(u)]` for every node (spec §4 gather).
+//! `node_tokens[u] = flat[tree_index(u)]` for every node (the gather).
 //! @throws acceptance_error `size_mismatch` if `node_tokens.size() != num_nodes()` or `flat` is
 //!         too short for the tree's deepest head.
 template <tree_like Tree>

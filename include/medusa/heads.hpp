@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file heads.hpp
-//! `head_stack`: non-owning views of K Medusa heads and their CPU forward pass (spec §1).
+//! `head_stack`: non-owning views of K Medusa heads and their CPU forward pass (docs/heads.md).
 //!
 //! Head `k` maps a final-normed hidden state `h` (length d) to vocabulary logits:
 //!

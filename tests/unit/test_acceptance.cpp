@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Acceptance (spec §5): greedy, typical, rejection properties, a user policy, batches, errors.
+// Acceptance (docs/acceptance.md): greedy, typical, rejection properties, a user policy, batches,
+// errors.
 #include <medusa/acceptance.hpp>
 
 #include <doctest/doctest.h>
@@ -119,7 +120,7 @@ static_assert(!medusa::acceptance_policy<int>);
 
 }  // namespace
 
-TEST_CASE("typical defaults are pinned (spec §5.3: threshold 0.09, alpha 0.3, T 0)") {
+TEST_CASE("typical defaults are pinned (threshold 0.09, alpha 0.3, T 0)") {
   const medusa::typical_policy p;
   CHECK(p.posterior_threshold == 0.09f);
   CHECK(p.posterior_alpha == 0.3f);
@@ -205,7 +206,7 @@ TEST_CASE("rejection at T = 0 equals greedy on unconstrained random steps") {
   }
 }
 
-TEST_CASE("padded cells never pass (spec §5.5): a short row stops at its leaf") {
+TEST_CASE("padded cells never pass: a short row stops at its leaf") {
   // Sorted nodes: 1 = [0], 2 = [1], 3 = [0,0]; rows: [0,1,3], [0,2,-1].
   const auto t = medusa::tree::from_paths({{0}, {1}, {0, 0}});
   step_data s{4, {3, 1, 2, 1}, std::vector<float>(16, 0.0f)};

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Statistical losslessness of tree rejection sampling (spec §5.6): the first and the first two
-// generated tokens (accepted drafts, then the bonus, continued by the next step when needed) are
-// distributed exactly as autoregressive sampling from the warped target. Vocab 8, a 3-level
-// tree, 200k seeded trials per configuration, chi-square with p > 0.001 (Wilson–Hilferty).
+// Statistical losslessness of tree rejection sampling (docs/acceptance.md): the first and the
+// first two generated tokens (accepted drafts, then the bonus, continued by the next step when
+// needed) are distributed exactly as autoregressive sampling from the warped target. Vocab 8, a
+// 3-level tree, 200k seeded trials per configuration, chi-square with p > 0.001 (Wilson–Hilferty).
 #include <medusa/acceptance.hpp>
 
 #include <doctest/doctest.h>

@@ -34,7 +34,7 @@ std::vector<int> random_parents(std::mt19937& rng, int n) {
   return p;
 }
 
-// Packed ancestor-or-self mask from a parent array (the spec §2.2 layout).
+// Packed ancestor-or-self mask from a parent array (the packed_mask layout of docs/tree.md).
 std::vector<std::uint32_t> packed_mask(const std::vector<int>& parents, int wpr) {
   const int n = static_cast<int>(parents.size());
   std::vector<std::uint32_t> w(static_cast<std::size_t>(n * wpr), 0u);

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Candidates (spec §4): top-k with the tie rule, the flat layout, the gather and the per-path rows.
+// Candidates (docs/acceptance.md): top-k with the tie rule, the flat layout, the gather and the
+// per-path rows.
 #include <medusa/candidates.hpp>
 
 #include <doctest/doctest.h>
@@ -22,7 +23,7 @@ std::vector<std::int32_t> reference_top_k(const std::vector<float>& x, int k) {
   return ids;
 }
 
-// The notebook tree of spec §2.3.
+// The reference notebook's tree (the worked example of docs/tree.md).
 medusa::tree notebook_tree() {
   return medusa::tree::from_paths({{0}, {0, 0}, {0, 1}, {0, 2}, {1}, {1, 0}, {1, 1}, {1, 2}});
 }
@@ -112,7 +113,7 @@ TEST_CASE("generate_candidates: flat layout with stride K, k_d per depth, gather
   CHECK(flat[12] == 12);
   CHECK(flat[13] == 13);
   CHECK(flat[21] == -1);  // head 2 is deeper than the tree
-  // Spec §2.3: tree_indices = [0, 1, 2, 11, 12, 13, 11, 12, 13].
+  // Worked example of docs/tree.md: tree_indices = [0, 1, 2, 11, 12, 13, 11, 12, 13].
   CHECK(tokens == std::vector<std::int32_t>{7, 40, 30, 11, 12, 13, 11, 12, 13});
 
   medusa::candidate_workspace ws(t, heads);

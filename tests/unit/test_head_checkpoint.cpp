@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Head checkpoints: save/load round trip, every layout of spec §7 built by hand, config
+// Head checkpoints: save/load round trip, every layout of docs/heads.md built by hand, config
 // cross-checks, and one typed error per bad-checkpoint case.
 #include <medusa/gemm.hpp>
 #include <medusa/half.hpp>

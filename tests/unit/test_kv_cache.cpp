@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// kv_cache_view mappings and the accepted-path commit (spec §6): every layout and dtype against a
-// naive gather reference, overlapping moves, batches, and bad input leaving the bytes unchanged.
+// kv_cache_view mappings and the accepted-path commit (docs/kv_cache.md): every layout and dtype
+// against a naive gather reference, overlapping moves, batches, and bad input leaving the bytes
+// unchanged.
 #include <medusa/kv_cache.hpp>
 
 #include <doctest/doctest.h>
@@ -214,7 +215,7 @@ TEST_CASE("strided views with padding: commit touches only the rows it moves") {
       for (int h = 0; h < 2; ++h)
         for (int d = 0; d < 4; ++d) in_row[static_cast<std::size_t>(l * 380 + t * 19 + h * 7 + d)] = true;
   const auto snap = snapshot(kv, 20);
-  const std::vector<int> path{0, 2, 6};  // the spec's overlapping example: j=1 reads L+2, j=2 writes L+2
+  const std::vector<int> path{0, 2, 6};  // the overlapping example of docs/kv_cache.md: j=1 reads L+2, j=2 writes L+2
   CHECK(medusa::kv_commit(kv, 3, 9, path) == 6);
   CHECK(snapshot(kv, 20) == expected_after_commit(snap, 2, 20, 2, 4, 3, path));
   for (std::size_t i = 0; i < k.size(); ++i)
@@ -400,7 +401,7 @@ TEST_CASE("page accounting and truncation") {
   CHECK(medusa::kv_pages_releasable(pc.view, len) == 2);
 }
 
-TEST_CASE("spec example: kv_commit in the header documentation") {
+TEST_CASE("the example of kv_commit in the header documentation") {
   const medusa::kv_extents ext{2, 2, 4};
   std::vector<float> k(2 * 16 * 2 * 4), v(k.size());
   auto kv = medusa::make_kv_view<float>(k, v, ext, 16, medusa::kv_layout::nhd);

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Run-time tree compiler: the worked example of spec §2.3 literally, a golden conformance tree,
-// parsing (JSON, Python literal, files, presets), every error of spec §2.4 in its fixed order,
+// Run-time tree compiler: the worked example of docs/tree.md literally, a golden conformance tree,
+// parsing (JSON, Python literal, files, presets), every error of docs/tree.md in its fixed order,
 // the FlashInfer full-row stream, and the generic helpers.
 #include <medusa/tree.hpp>
 
@@ -41,7 +41,7 @@ void expect_error(F&& f, tree_errc code, int path_index, const std::string& need
 
 }  // namespace
 
-TEST_CASE("worked example of spec 2.3, literally") {
+TEST_CASE("worked example of docs/tree.md, literally") {
   const auto t = tree::from_text("[[0],[0,0],[0,1],[0,2],[1],[1,0],[1,1],[1,2]]");
   CHECK(t.num_nodes() == 9);
   CHECK(t.depth() == 2);
@@ -204,7 +204,7 @@ TEST_CASE("malformed text says where") {
                "rank -2147483648 < 0");
 }
 
-TEST_CASE("validation errors name the path, in the fixed order of spec 2.4") {
+TEST_CASE("validation errors name the path, in the fixed order of docs/tree.md") {
   using P = paths_t;
   expect_error([] { (void)tree::from_paths({}); }, tree_errc::empty_tree, -1, "no paths");
   expect_error([] { (void)tree::from_text("[]"); }, tree_errc::empty_tree, -1, "no paths");

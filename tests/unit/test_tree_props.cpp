@@ -47,7 +47,8 @@ paths_t random_tree(std::mt19937& rng, int n, int topk, int max_depth) {
   return nodes;
 }
 
-// The reference's generate_medusa_buffers, written naively from spec 2.2.
+// The reference's generate_medusa_buffers, written naively from the buffer definitions in
+// docs/tree.md.
 struct reference {
   paths_t sorted;
   std::vector<int> parent, position, tree_index;

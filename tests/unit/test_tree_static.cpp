@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Compile-time trees: static_assert-checked properties (worked example, presets, a 256-node tree,
-// use as a template argument), compile-time == run-time buffers for every preset, and the spec §3
-// table including its SHA-256 hash column (a tiny SHA-256 lives below).
+// use as a template argument), compile-time == run-time buffers for every preset, and the preset
+// table of docs/tree.md including its SHA-256 hash column (a tiny SHA-256 lives below).
 #include <medusa/tree.hpp>
 #include <medusa/tree/presets.hpp>
 
@@ -48,7 +48,7 @@ static_assert(medusa::static_tree_from<"[[0]]">.num_nodes() == 2);
 constexpr auto k5 = medusa::static_tree_from<"[[0],[0,3],[0,3,4]]", medusa::tree_options{.topk = 5}>;
 static_assert(k5.topk() == 5 && k5.tree_index(2) == 9 && k5.tree_index(3) == 15);
 
-// the spec §3 table, at compile time
+// the preset table of docs/tree.md, at compile time
 template <auto T>
 constexpr std::array<int, 5> per_depth() {
   std::array<int, 5> a{};
@@ -105,7 +105,7 @@ static_assert(big.num_nodes() == 256 && big.words_per_row() == 8 && big.num_leav
 static_assert(big.parent(255) == 15 && big.tree_index(255) == 1 + 16 + 15 && big.max_rank(1) == 14);
 static_assert(big.packed_mask_word(255, 7) == 0x80000000u && big.packed_mask_word(255, 0) == 0x00008001u);
 
-// ---- a tiny SHA-256 (FIPS 180-4), for the hash column of spec §3 ---------------------------------
+// ---- a tiny SHA-256 (FIPS 180-4), for the hash column of the preset table -----------------------
 std::string sha256_hex(const std::string& msg) {
   static constexpr std::uint32_t k[64] = {
       0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98,
@@ -237,7 +237,7 @@ TEST_CASE("compile-time and run-time trees give identical buffers for every pres
   check_identical(big, medusa::tree::from_paths(paths, {.topk = 16}));
 }
 
-TEST_CASE("the spec 3 table: nodes, depth, nodes per depth, leaves, hash") {
+TEST_CASE("preset table: nodes, depth, nodes per depth, leaves, hash") {
   struct row {
     const char* name;
     int depth;
@@ -274,7 +274,7 @@ TEST_CASE("the spec 3 table: nodes, depth, nodes per depth, leaves, hash") {
   }
 }
 
-TEST_CASE("preset data is Appendix A verbatim, in source order") {
+TEST_CASE("preset data matches the reference's preset module, in source order") {
   const std::string spec_path = std::string(MEDUSA_SHARED_DIR) + "/docs/medusa-spec.md";
   std::ifstream in(spec_path);
   if (!in) {

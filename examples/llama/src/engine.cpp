@@ -5,6 +5,7 @@
 #include <medusa_llama/thread_pool.hpp>
 
 #include <medusa/attention.hpp>
+#include <medusa/heads.hpp>
 
 #include "gemm.hpp"
 #include "kernels.hpp"
@@ -153,7 +154,7 @@ struct engine::impl {
       for (int t = 0; t < T; ++t) {
         float* g = h1.data() + sz(t) * sz(H);
         const float* u = h3.data() + sz(t) * sz(H);
-        for (int i = a; i < b; ++i) g[i] = g[i] * (1.0f / (1.0f + std::exp(-g[i]))) * u[i];
+        for (int i = a; i < b; ++i) g[i] = medusa::silu(g[i]) * u[i];
       }
     });
   }

@@ -8,6 +8,7 @@
 #include "gemm.hpp"
 
 #include <medusa/detail/exp2.hpp>
+#include <medusa/heads.hpp>
 
 #include <medusa_llama/thread_pool.hpp>
 
@@ -30,7 +31,7 @@ constexpr int kPanel = 16;  // output columns per panel
 constexpr int kMaxMR = 8;   // tokens per micro-tile
 constexpr int kPrefetch = 8;  // k steps (cache lines of a float32 panel) to prefetch ahead
 std::size_t sz(int v) { return static_cast<std::size_t>(v); }
-[[maybe_unused]] float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+[[maybe_unused]] float silu_mul(float g, float u) { return medusa::silu(g) * u; }
 }  // namespace
 
 std::uint16_t bf16_round(float f) noexcept {

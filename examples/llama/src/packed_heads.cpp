@@ -47,8 +47,7 @@ struct packed_heads::impl {
       const float* b = bias.data() + (sz(k) * sz(L) + sz(l)) * sz(d);
       float* out = x.data() + sz(k) * sz(d);
       for (int i = 0; i < d; ++i) {
-        const float z = tk[i] + b[i];
-        out[i] = in[i] + z / (1.0f + std::exp(-z));
+        out[i] = in[i] + medusa::silu(tk[i] + b[i]);
       }
     }
   }

@@ -288,7 +288,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
     meta += "\n  ]";
   }
   write_text(o.out / "calibration.json", calibration_json(rep.cal, meta));
-  // Trees grown from the calibration table (spec §8), ready for `medusa-run --tree OUT/tree-N.json`.
+  // Trees grown from the calibration table (docs/training.md), ready for `medusa-run --tree OUT/tree-N.json`.
   const std::size_t grow_depth = std::min<std::size_t>(o.heads, 5);
   for (std::size_t nodes : {4u, 6u, 8u, 16u, 32u, 64u}) {
     std::string text = "[";

@@ -206,7 +206,7 @@ TEST_CASE("head_logits equals the forward inside head_loss_grad and medusa::head
   for (std::size_t i = 0; i < ours.size(); ++i) CHECK(ours[i] == doctest::Approx(lib[i]).epsilon(1e-4));
 }
 
-TEST_CASE("initialisation follows spec §8: W = 0, |b| <= 1/sqrt(d), U = lm_head") {
+TEST_CASE("initialisation follows the training recipe: W = 0, |b| <= 1/sqrt(d), U = lm_head") {
   const head_shape s{16, 10, 2, 1};
   std::vector<float> lm(s.V * s.d);
   for (std::size_t i = 0; i < lm.size(); ++i) lm[i] = static_cast<float>(i % 13) - 6.0f;

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file philox.hpp
-//! Philox4x32-10, the counter-based generator of rejection sampling (spec §5.6).
+//! Philox4x32-10, the counter-based generator of rejection sampling (docs/acceptance.md).
 //!
 //! A counter-based generator has no state to carry between calls: draw `i` of step `s` of a
 //! request is a pure function of `(seed, s, i)`. That is what lets a CUDA kernel and the CPU path

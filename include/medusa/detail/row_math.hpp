@@ -130,7 +130,7 @@ inline double fold(const double* acc) noexcept {
 
 inline softmax_stats softmax_sum(const float* x, std::size_t n, float max, float inv_t) noexcept {
   // exp(y) = 2^(y·log2 e): fold log2 e into the scale once.
-  const float k = inv_t * 1.44269504088896341f;
+  const float k = inv_t * log2e;
   double acc[row_lanes] = {};
   float e[row_block];
   for (std::size_t i = 0; i < n; i += row_block) {
@@ -143,10 +143,10 @@ inline softmax_stats softmax_sum(const float* x, std::size_t n, float max, float
   return {max, row_detail::fold(acc)};
 }
 
-//! −Σ q·ln(q + eps) with q = exp((x - max)/T) / sum (spec §5.3: epsilon inside the log).
+//! −Σ q·ln(q + eps) with q = exp((x - max)/T) / sum (typical acceptance: epsilon inside the log).
 inline double softmax_entropy(const float* x, std::size_t n, softmax_stats st, float inv_t,
                               float eps) noexcept {
-  const float k = inv_t * 1.44269504088896341f;
+  const float k = inv_t * log2e;
   const auto inv_sum = static_cast<float>(1.0 / st.sum);
   double acc[row_lanes] = {};
   float e[row_block];
@@ -167,7 +167,7 @@ inline double softmax_entropy(const float* x, std::size_t n, softmax_stats st, f
 //! exp((x - max)/T) written to out (double) for a finite row; returns their sum.
 inline double softmax_fill(const float* x, std::size_t n, float max, float inv_t,
                            double* out) noexcept {
-  const float k = inv_t * 1.44269504088896341f;
+  const float k = inv_t * log2e;
   double acc[row_lanes] = {};
   float e[row_block];
   for (std::size_t i = 0; i < n; i += row_block) {
@@ -181,7 +181,7 @@ inline double softmax_fill(const float* x, std::size_t n, float max, float inv_t
   return row_detail::fold(acc);
 }
 
-//! Ranking of the spec (§4): larger value first, equal values by ascending token id.
+//! Candidate ranking: larger value first, equal values by ascending token id.
 inline bool ranks_before(const float* x, std::int32_t a, std::int32_t b) noexcept {
   return x[a] > x[b] || (x[a] == x[b] && a < b);
 }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file head_checkpoint.hpp
-//! Loading and saving Medusa heads (spec §7): owning `head_weights`, `load_heads`, `save_heads`.
+//! Loading and saving Medusa heads (layouts in docs/heads.md): owning `head_weights`, `load_heads`,
+//! `save_heads`.
 //!
 //! Layouts read (detected from the tensor names, never from config.json):
 //! * legacy Medusa-1 in safetensors: `{h}.{l}.linear.weight|bias`, `{h}.{L}.weight` (projection);
@@ -252,7 +253,7 @@ class head_weights {
     return out;
   }
 
-  //! Fresh heads initialised as the training recipe does (spec §8): ResBlock W = 0, bias uniform
+  //! Fresh heads initialised as the training recipe does: ResBlock W = 0, bias uniform
   //! in ±1/√d (seeded), projections = copies of `lm_head` [V,d] (per-head variant; may be null to
   //! leave them zero).
   static head_weights initialize(std::size_t hidden, std::size_t vocab, std::size_t heads, std::size_t layers, projection_kind kind,

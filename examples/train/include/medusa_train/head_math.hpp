@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file head_math.hpp
-//! Forward and backward pass of K Medusa heads over a mini-batch (spec §1, §8), in float or
-//! double, on OpenBLAS GEMMs. The trainer runs it in float; the gradient-check test in double.
+//! Forward and backward pass of K Medusa heads over a mini-batch (docs/heads.md, docs/training.md),
+//! in float or double, on OpenBLAS GEMMs. The trainer runs it in float; the gradient-check test in
+//! double.
 //!
 //! Parameters live in one flat array with the layout of `medusa::head_weights` (so the trained
 //! arena is saved with `medusa::save_heads` as it is):

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file selfdistill.hpp
-//! Self-distillation data (spec §8): the frozen base model continues prompts with its own greedy
-//! (or sampled) decoding, and every generated position's final-normed hidden state and the
+//! Self-distillation data (docs/training.md): the frozen base model continues prompts with its own
+//! greedy (or sampled) decoding, and every generated position's final-normed hidden state and the
 //! model's own tokens go to a `distill_cache`.
 //!
 //! Prompts come from a prompt file (one per line) or are cut from text/code files under a corpus

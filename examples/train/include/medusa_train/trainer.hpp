@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file trainer.hpp
-//! Medusa-1 head training on the CPU: parameters initialised as spec §8 says, AdamW with warm-up
-//! and cosine decay, global-norm gradient clipping, mini-batches of positions drawn from a
-//! self-distillation cache, a wall-clock budget, and evaluation (per-head top-1/top-5 and the
-//! calibration table `acc[k][r]`).
+//! Medusa-1 head training on the CPU (docs/training.md): parameters initialised as the reference
+//! recipe does (ResBlock W = 0, bias uniform in ±1/√d, projections = copies of lm_head), AdamW
+//! with warm-up and cosine decay, global-norm gradient clipping, mini-batches of positions drawn
+//! from a self-distillation cache, a wall-clock budget, and evaluation (per-head top-1/top-5 and
+//! the calibration table `acc[k][r]`).
 //!
 //! @code
 //! auto cache = medusa_train::distill_cache::open("cache.bin");
@@ -138,7 +139,7 @@ struct fit_result {
 //! data has no training position or does not match the heads' d and V.
 fit_result fit(head_trainer& t, const distill_cache& data, const fit_options& opt);
 
-//! Accuracy of the heads against the model's own tokens (spec §8 calibration).
+//! Accuracy of the heads against the model's own tokens (calibration table, docs/training.md).
 struct calibration {
   std::size_t num_heads = 0;                   //!< K
   std::size_t topk = 10;                       //!< ranks counted
@@ -168,7 +169,11 @@ calibration evaluate(head_trainer& t, const distill_cache& data, split which, st
 //! (a JSON object's members, e.g. `"model": "..."`), may be empty.
 [[nodiscard]] std::string calibration_json(const calibration& c, const std::string& meta_members = {});
 
-//! Greedy tree growth of spec §8 from a calibration table (value of a path = product of acc).
+//! Greedy tree growth from a calibration table (docs/training.md). The value of a path is the
+//! product of acc[depth−1][rank] along it; starting from the frontier {[0]}, the frontier path of
+//! highest value (ties: canonical order) joins the tree and brings in its next sibling
+//! (rank + 1 < max_child) and its first child (length < max_depth, capped by the number of heads),
+//! until the tree has `budget` non-root nodes.
 [[nodiscard]] std::vector<std::vector<int>> grow_tree(const calibration& c, std::size_t budget, std::size_t max_depth = 5,
                                                       std::size_t max_child = 10);
 
