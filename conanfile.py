@@ -58,4 +58,4 @@ class MedusaConan(ConanFile):
         self.cpp_info.bindirs = []
         self.cpp_info.libdirs = []
         if self.options.cuda:
-            self.cpp_info.system_libs = ["cudart", "cublas"]
+            self.cpp_info.system_libs = ["cudart"]

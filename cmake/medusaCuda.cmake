@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-# Defines medusa::cuda: the header-only library plus the CUDA toolkit (CCCL, cudart, cuBLAS).
+# Defines medusa::cuda: the header-only library plus the CUDA toolkit (CCCL, cudart).
 # Used by the build tree and by medusaConfig.cmake, so both define the target the same way.
 if(TARGET medusa::cuda)
   return()
@@ -15,7 +15,7 @@ if(NOT TARGET CCCL::CCCL)
 endif()
 add_library(medusa_cuda INTERFACE IMPORTED GLOBAL)
 add_library(medusa::cuda ALIAS medusa_cuda)
-target_link_libraries(medusa_cuda INTERFACE medusa::medusa CUDA::cudart CUDA::cublas)
+target_link_libraries(medusa_cuda INTERFACE medusa::medusa CUDA::cudart)
 if(TARGET CCCL::CCCL)
   target_link_libraries(medusa_cuda INTERFACE CCCL::CCCL)
 endif()

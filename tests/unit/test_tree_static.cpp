@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -81,6 +82,29 @@ static_assert(deepest_leaf_row<demo>() == 8);
 // named tag types (for __global__ kernels) carry the same value
 static_assert(p::tag_of<"zephyr_stage2">::tree == p::named<"zephyr_stage2"> && p::tag_of<"zephyr_stage2">::name == "zephyr_stage2");
 static_assert(deepest_leaf_row<p::tag_of<"vicuna_33b_stage1">::tree>() == 63);
+static_assert(p::tag<0>::name == medusa::preset_names()[0] && p::tag<8>::index == 8);
+static_assert(p::all.size() == medusa::preset_table.size() && p::all[3] == p::tag<3>::tree);
+
+// from a constexpr array of paths: the same value as from text, in any input order
+constexpr medusa::tree_path demo_paths[] = {{1, 2}, {0}, {0, 0}, {1}, {0, 1}, {0, 2}, {1, 0}, {1, 1}};
+static_assert(medusa::static_tree_of<demo_paths> == demo);
+constexpr std::array<medusa::tree_path, 3> k5_paths{{{0}, {0, 3}, {0, 3, 4}}};
+static_assert(medusa::static_tree_of<k5_paths, medusa::tree_options{.topk = 5}> == k5);
+
+// the spans of the run-time tree, at compile time
+static_assert(demo.node_depths().size() == 9 && demo.node_depths()[8] == 2 && demo.node_depth(2) == 1);
+static_assert(demo.parents()[5] == 1 && demo.ranks()[5] == 2 && demo.tree_indices()[8] == 13);
+static_assert(demo.retrieve_indices().size() == 6 * 3 && demo.retrieve_indices()[2] == 8);
+static_assert(demo.packed_mask().size() == 9 && demo.packed_mask()[8] == 0x105);
+static_assert(demo.mask_view().words_per_row == 1 && demo.mask_view().visible(8, 2) && !demo.mask_view().visible(8, 1));
+static_assert(demo.depth_begins().size() == 4 && demo.max_ranks().size() == 3 && demo.leaves().size() == 6);
+static_assert(demo.child_begins()[2] == 6 && demo.child_counts()[2] == 3);
+constexpr auto positions = [] {
+  std::array<int, 9> out{};
+  medusa::write_node_positions(demo, 100, out.data());
+  return out;
+}();
+static_assert(positions[0] == 100 && positions[3] == 102);
 
 // the largest static tree: 15 depth-1 nodes and 15 * 16 depth-2 nodes, topk 16 -> 256 nodes
 constexpr auto big = medusa::static_tree_from<
@@ -184,6 +208,11 @@ std::vector<std::vector<int>> paths_of(const T& t) {
   return out;
 }
 
+template <class T>
+std::vector<T> to_vector(std::span<const T> s) {
+  return {s.begin(), s.end()};
+}
+
 template <medusa::tree_like A, medusa::tree_like B>
 void check_identical(const A& a, const B& b) {
   REQUIRE(a.num_nodes() == b.num_nodes());
@@ -206,6 +235,18 @@ void check_identical(const A& a, const B& b) {
   for (int d = 1; d <= a.depth(); ++d) REQUIRE(a.max_rank(d) == b.max_rank(d));
   for (int r = 0; r < a.num_leaves(); ++r)
     for (int c = 0; c <= a.depth(); ++c) REQUIRE(a.retrieve(r, c) == b.retrieve(r, c));
+  // the same spans, of the same lengths
+  CHECK(to_vector(a.parents()) == to_vector(b.parents()));
+  CHECK(to_vector(a.node_depths()) == to_vector(b.node_depths()));
+  CHECK(to_vector(a.ranks()) == to_vector(b.ranks()));
+  CHECK(to_vector(a.tree_indices()) == to_vector(b.tree_indices()));
+  CHECK(to_vector(a.retrieve_indices()) == to_vector(b.retrieve_indices()));
+  CHECK(to_vector(a.packed_mask()) == to_vector(b.packed_mask()));
+  CHECK(to_vector(a.child_begins()) == to_vector(b.child_begins()));
+  CHECK(to_vector(a.child_counts()) == to_vector(b.child_counts()));
+  CHECK(to_vector(a.depth_begins()) == to_vector(b.depth_begins()));
+  CHECK(to_vector(a.max_ranks()) == to_vector(b.max_ranks()));
+  CHECK(to_vector(a.leaves()) == to_vector(b.leaves()));
   for (int L : {0, 5}) {
     std::vector<std::uint8_t> sa(medusa::full_row_stream_bytes(n, L)), sb(sa.size());
     medusa::write_full_row_stream(a, L, sa);

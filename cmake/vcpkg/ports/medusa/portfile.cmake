@@ -18,5 +18,5 @@ vcpkg_cmake_config_fixup(PACKAGE_NAME medusa CONFIG_PATH share/cmake/medusa)
 file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/debug")
 file(INSTALL "${SOURCE_PATH}/LICENSE" DESTINATION "${CURRENT_PACKAGES_DIR}/share/${PORT}" RENAME copyright)
 file(WRITE "${CURRENT_PACKAGES_DIR}/share/${PORT}/usage"
-  "medusa provides CMake targets:\n\n  find_package(medusa CONFIG REQUIRED)\n  target_link_libraries(main PRIVATE medusa::medusa)   # add medusa::cuda for the CUDA kernels\n")
+  "medusa provides CMake targets:\n\n  find_package(medusa CONFIG REQUIRED)\n  target_link_libraries(main PRIVATE medusa::medusa)\n\nmedusa::cuda (CCCL and cudart) is defined when the CUDA toolkit is found; the CUDA layer\nholds error checks and device queries so far.\n")
 set(VCPKG_POLICY_EMPTY_INCLUDE_FOLDER disabled)
