@@ -36,6 +36,27 @@ class invalid_input : public std::invalid_argument, public error {
   [[nodiscard]] const char* message() const noexcept override { return what(); }
 };
 
+//! Bad input of one area of the library, with the area's `enum class` code and, where one item is
+//! to blame, its index (a path of a tree, a node, a request of a batch; -1 when none). Each area
+//! names it: `tree_error`, `acceptance_error`, `kv_cache_error`, `checkpoint_error`, ...
+//! Constructed as `(code, message, index)`.
+template <class Errc>
+class coded_error : public invalid_input {
+ public:
+  //! @param code what is wrong; @param what the message; @param index the item to blame, or -1.
+  coded_error(Errc code, const std::string& what, int index = -1) : invalid_input(what), code_(code), index_(index) {}
+  //! What is wrong.
+  [[nodiscard]] Errc code() const noexcept { return code_; }
+
+ protected:
+  //! The index given at construction (each area names it: `path_index()`, `node()`, `request()`).
+  [[nodiscard]] int index() const noexcept { return index_; }
+
+ private:
+  Errc code_;
+  int index_;
+};
+
 //! Failures outside the caller's arguments: unreadable files, corrupt checkpoints.
 class io_error : public std::runtime_error, public error {
  public:

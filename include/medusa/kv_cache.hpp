@@ -79,21 +79,14 @@ enum class kv_errc {
 }
 
 //! Bad KV-cache input (shape, capacity, path, block table). The cache is left unchanged.
-class kv_cache_error : public invalid_input {
+class kv_cache_error : public coded_error<kv_errc> {
  public:
-  //! @param request index of the offending request in a batch call, -1 otherwise.
+  //! @param code the error category; @param what the message; @param request index of the
+  //! offending request in a batch call, -1 otherwise (the message then names it).
   kv_cache_error(kv_errc code, const std::string& what, int request = -1)
-      : invalid_input(request >= 0 ? "kv request #" + std::to_string(request) + ": " + what : what),
-        code_(code),
-        request_(request) {}
-  //! The error category.
-  [[nodiscard]] kv_errc code() const noexcept { return code_; }
+      : coded_error(code, request >= 0 ? "kv request #" + std::to_string(request) + ": " + what : what, request) {}
   //! Index of the offending request in a batch call, -1 if not a batch call.
-  [[nodiscard]] int request() const noexcept { return request_; }
-
- private:
-  kv_errc code_;
-  int request_;
+  [[nodiscard]] int request() const noexcept { return index(); }
 };
 
 //! Order of the three row coordinates inside a contiguous cache or inside one page.

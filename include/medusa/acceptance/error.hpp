@@ -39,19 +39,13 @@ constexpr std::string_view to_string(acceptance_errc code) noexcept {
 
 //! Bad input to a candidates or acceptance call. `node()` is the tree node (or head, for top-k
 //! calls, as documented per function) that the error is about, -1 when none.
-class acceptance_error : public invalid_input {
+class acceptance_error : public coded_error<acceptance_errc> {
  public:
-  //! @param code the kind of problem; @param what the message; @param node the node (or head) concerned, -1 if none.
-  acceptance_error(acceptance_errc code, const std::string& what, int node = -1)
-      : invalid_input(what), code_(code), node_(node) {}
-  //! The error code.
-  [[nodiscard]] acceptance_errc code() const noexcept { return code_; }
+  //! @param code the kind of problem; @param what the message; @param node the node (or head)
+  //! concerned, -1 if none.
+  using coded_error::coded_error;
   //! The node (or head) concerned, -1 if none.
-  [[nodiscard]] int node() const noexcept { return node_; }
-
- private:
-  acceptance_errc code_;
-  int node_;
+  [[nodiscard]] int node() const noexcept { return index(); }
 };
 
 MEDUSA_NAMESPACE_END

@@ -83,14 +83,10 @@ constexpr std::string_view to_string(checkpoint_errc e) noexcept {
 }
 
 //! A head checkpoint that cannot be used; `code()` says why.
-class checkpoint_error : public invalid_input {
+class checkpoint_error : public coded_error<checkpoint_errc> {
  public:
-  checkpoint_error(checkpoint_errc code, const std::string& what) : invalid_input("heads: " + what), code_(code) {}
-  //! Why loading failed.
-  [[nodiscard]] checkpoint_errc code() const noexcept { return code_; }
-
- private:
-  checkpoint_errc code_;
+  //! @param code why loading failed; @param what the message (prefixed with "heads: ").
+  checkpoint_error(checkpoint_errc code, const std::string& what) : coded_error(code, "heads: " + what) {}
 };
 
 //! A non-fatal finding of `load_heads` (today only `config_mismatch`).

@@ -109,15 +109,10 @@ constexpr std::string_view to_string(safetensors_errc e) noexcept {
 }
 
 //! A malformed safetensors file (or a bad writer call). `code()` says which rule was broken.
-class safetensors_error : public invalid_input {
+class safetensors_error : public coded_error<safetensors_errc> {
  public:
-  safetensors_error(safetensors_errc code, const std::string& what)
-      : invalid_input("safetensors: " + what), code_(code) {}
-  //! Which rule was broken.
-  [[nodiscard]] safetensors_errc code() const noexcept { return code_; }
-
- private:
-  safetensors_errc code_;
+  //! @param code which rule was broken; @param what the message (prefixed with "safetensors: ").
+  safetensors_error(safetensors_errc code, const std::string& what) : coded_error(code, "safetensors: " + what) {}
 };
 
 //! One tensor of a validated file. Offsets are relative to the data section.

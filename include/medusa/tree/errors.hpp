@@ -44,20 +44,13 @@ constexpr std::string_view to_string(tree_errc code) noexcept {
 
 //! An invalid tree. `what()` names the offending path, e.g.
 //! `medusa: tree path #12 [3,10]: rank 10 >= topk 10` (paths are numbered from 0 in input order).
-class tree_error : public invalid_input {
+class tree_error : public coded_error<tree_errc> {
  public:
   //! @param code what is wrong; @param what the message; @param path_index input index of the
   //! offending path, or -1.
-  tree_error(tree_errc code, const std::string& what, int path_index = -1)
-      : invalid_input(what), code_(code), path_index_(path_index) {}
-  //! The kind of problem.
-  [[nodiscard]] tree_errc code() const noexcept { return code_; }
+  using coded_error::coded_error;
   //! Input index (0-based) of the offending path; -1 when no single path is to blame.
-  [[nodiscard]] int path_index() const noexcept { return path_index_; }
-
- private:
-  tree_errc code_;
-  int path_index_;
+  [[nodiscard]] int path_index() const noexcept { return index(); }
 };
 
 namespace detail {

@@ -50,21 +50,31 @@ enum class engine_errc {
   bad_batch,       //!< empty batch, too many tokens, or spans of different lengths
   bad_token,       //!< token id outside [0, vocab_size)
   bad_position,    //!< position outside [0, seq_len)
-  bad_slot,        //!< KV slot outside [0, capacity), repeated, or inside the attended prefix
-  bad_mask,        //!< mask of the wrong size, prefix beyond the cache length, or a row that cannot see itself
+  bad_slot,        //!< the batch does not fit the cache: slots [L, L+T) beyond the capacity, or L < 0
+  bad_mask,        //!< a tree mask too small for the batch, a row that cannot see itself, or sees a later row
   bad_output,      //!< output row out of range or output buffer of the wrong size
   bad_option,      //!< an engine or generation option out of range
 };
 
-//! Bad arguments to the engine.
-class engine_error : public medusa::invalid_input {
- public:
-  engine_error(engine_errc code, const std::string& what) : medusa::invalid_input(what), code_(code) {}
-  //! The kind of failure.
-  [[nodiscard]] engine_errc code() const noexcept { return code_; }
+//! Name of an `engine_errc` value ("bad_batch", ...).
+[[nodiscard]] constexpr std::string_view to_string(engine_errc code) noexcept {
+  switch (code) {
+    case engine_errc::bad_batch: return "bad_batch";
+    case engine_errc::bad_token: return "bad_token";
+    case engine_errc::bad_position: return "bad_position";
+    case engine_errc::bad_slot: return "bad_slot";
+    case engine_errc::bad_mask: return "bad_mask";
+    case engine_errc::bad_output: return "bad_output";
+    case engine_errc::bad_option: return "bad_option";
+  }
+  return "unknown";
+}
 
- private:
-  engine_errc code_;
+//! Bad arguments to the engine.
+class engine_error : public medusa::coded_error<engine_errc> {
+ public:
+  //! @param code the kind of failure; @param what the message.
+  using coded_error::coded_error;
 };
 
 }  // namespace medusa_llama
