@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <string>
 #include <unistd.h>
 
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
   medusa_train::reexec_with_fast_openblas(argv);  // AVX-512 sgemm kernels (5x) where OpenBLAS misdetects the CPU
   CLI::App app{"Train Medusa heads on the CPU by self-distillation (Medusa-1: frozen backbone and lm_head)", "medusa-train"};
   medusa_train::run_options o;
-  std::string dtype = "bf16";
+  std::string cache_dtype = "bf16";
   app.add_option("--model", o.model, "base model: llama2.c model.bin or a Hugging Face directory")->required();
   app.add_option("--tokenizer", o.tokenizer, "tokenizer (default: tokenizer.json / tokenizer.bin beside the model)");
   app.add_option("--dummy-prefix", o.dummy_prefix,
@@ -74,7 +75,10 @@ int main(int argc, char** argv) {
   app.add_option("--prompt-max", o.prompt_max, "longest prompt (tokens incl. BOS)")->capture_default_str();
   app.add_option("--draft", o.draft, "prompt-lookup draft length while generating data (0 = off)")->capture_default_str();
   app.add_option("--eval-fraction", o.eval_fraction, "held-out share of files/lines and positions")->capture_default_str();
-  app.add_option("--cache-dtype", dtype, "hidden states on disk: bf16 or f32")->capture_default_str();
+  const std::map<std::string, medusa::dtype> cache_dtypes{{"bf16", medusa::dtype::bf16}, {"f32", medusa::dtype::f32}};
+  app.add_option("--cache-dtype", cache_dtype, "hidden states on disk: bf16 or f32")
+      ->check(CLI::IsMember(cache_dtypes))
+      ->capture_default_str();
   app.add_option("--epochs", o.epochs, "passes over the training positions")->capture_default_str();
   app.add_option("--batch", o.batch, "positions per optimiser step")->capture_default_str();
   app.add_option("--lr", o.opt.lr, "peak learning rate (AdamW, warm-up + cosine)")->capture_default_str();
@@ -95,9 +99,7 @@ int main(int argc, char** argv) {
 
   return medusa_tools::run_tool(app, argc, argv, [&] {
     if (o.prompts.empty() && o.corpus.empty()) throw medusa_tools::usage_error("give --prompts FILE or --corpus DIR");
-    if (dtype == "bf16") o.cache_dtype = medusa::weight_dtype::bf16;
-    else if (dtype == "f32") o.cache_dtype = medusa::weight_dtype::f32;
-    else throw medusa_tools::usage_error("--cache-dtype must be bf16 or f32, got " + dtype);
+    o.cache_dtype = cache_dtypes.at(cache_dtype);
     status_line st;
     medusa_train::run_events ev;
     ev.log = [&](const std::string& s) { st.line(s); };
