@@ -539,10 +539,7 @@ void tree_attention(const View& kv, int layer, int committed_length, std::span<c
       detail::kv_fail(kv_errc::size_mismatch, "tree with " + std::to_string(n) + " nodes reports " +
                                                   std::to_string(wpr) + " mask words per row");
     std::vector<std::uint32_t> words(static_cast<std::size_t>(n) * static_cast<std::size_t>(wpr));
-    for (int i = 0; i < n; ++i)
-      for (int w = 0; w < wpr; ++w)
-        words[static_cast<std::size_t>(i) * static_cast<std::size_t>(wpr) + static_cast<std::size_t>(w)] =
-            tree.packed_mask_word(i, w);
+    copy_packed_mask(tree, std::span<std::uint32_t>(words));
     tree_attention(kv, layer, committed_length, queries, n, num_q_heads, tree_mask_view{words, wpr}, out, opts,
                    static_cast<ParallelFor&&>(pf));
   }

@@ -420,12 +420,8 @@ class decoder {
     tree_logits_.resize(static_cast<std::size_t>(n) * v);
     tree_hidden_.resize(static_cast<std::size_t>(n) * static_cast<std::size_t>(hidden_));
     if constexpr (!has_mask_view) {
-      const int words = tree_.words_per_row();
-      mask_.resize(static_cast<std::size_t>(n) * static_cast<std::size_t>(words));
-      for (int i = 0; i < n; ++i)
-        for (int w = 0; w < words; ++w)
-          mask_[static_cast<std::size_t>(i) * static_cast<std::size_t>(words) + static_cast<std::size_t>(w)] =
-              tree_.packed_mask_word(i, w);
+      mask_.resize(static_cast<std::size_t>(n) * static_cast<std::size_t>(tree_.words_per_row()));
+      copy_packed_mask(tree_, std::span<std::uint32_t>(mask_));
     }
     ws_.reserve(n, vocab_);
   }

@@ -6,9 +6,11 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -286,4 +288,14 @@ TEST_CASE("a single node and a long chain") {
   CHECK(t.packed_mask_word(40, 1) == 0x1FFu);
   CHECK(t.packed_mask_word(40, 0) == 0xFFFFFFFFu);
   CHECK(t.tree_index(40) == 1 + 10 * 39);
+}
+
+TEST_CASE("copy_packed_mask writes the tree's packed mask and refuses a short buffer") {
+  const auto t = medusa::tree::preset("vicuna_7b_stage2");
+  std::vector<std::uint32_t> words(t.packed_mask().size() + 3, 0xdeadbeefu);
+  medusa::copy_packed_mask(t, std::span<std::uint32_t>(words));
+  CHECK(std::equal(t.packed_mask().begin(), t.packed_mask().end(), words.begin()));
+  CHECK(words.back() == 0xdeadbeefu);  // nothing past the mask is written
+  std::vector<std::uint32_t> small(t.packed_mask().size() - 1);
+  CHECK_THROWS_AS(medusa::copy_packed_mask(t, std::span<std::uint32_t>(small)), medusa::invalid_input);
 }

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <string_view>
 
@@ -104,6 +105,37 @@ struct tree_out {
   std::uint32_t* mask = nullptr;  // [N * W], zero-filled by the caller
   int num_leaves = 0;
 };
+
+// The compiler's outputs bound to a tree's own buffers: both tree types name them alike
+// (`parent_`, `rank_`, ...), as arrays or vectors already sized for the tree.
+template <class Tree>
+constexpr tree_out bind_outputs(Tree& t, int* order) {
+  tree_out out;
+  out.order = order;
+  out.parent = std::data(t.parent_);
+  out.rank = std::data(t.rank_);
+  out.node_depth = std::data(t.node_depth_);
+  out.tree_index = std::data(t.tree_index_);
+  out.child_begin = std::data(t.child_begin_);
+  out.child_count = std::data(t.child_count_);
+  out.leaf = std::data(t.leaf_);
+  out.depth_begin = std::data(t.depth_begin_);
+  out.max_rank = std::data(t.max_rank_);
+  out.mask = std::data(t.mask_);
+  return out;
+}
+
+// Retrieve rows from compiled outputs: row r is the path root..leaf(r), node of depth c in column
+// c, -1 past the leaf; `depth + 1` columns per row.
+constexpr void write_retrieve(const tree_out& out, int depth, int* retrieve) {
+  const int cols = depth + 1;
+  for (int row = 0; row < out.num_leaves; ++row) {
+    int* r = retrieve + static_cast<std::size_t>(row) * static_cast<std::size_t>(cols);
+    int node = out.leaf[row];
+    for (int c = cols - 1; c > out.node_depth[node]; --c) r[c] = -1;
+    for (int c = out.node_depth[node]; c >= 0; --c, node = out.parent[node]) r[c] = node;
+  }
+}
 
 // Validation steps 3 (duplicates) and 4 (prefix closure), then every buffer. `depth` comes from
 // validate_paths.

@@ -64,6 +64,20 @@ struct tree_mask_view {
   }
 };
 
+//! Copies the packed mask of any `masked_tree` into `out`, row-major `[num_nodes][words_per_row]`
+//! (for trees that do not hold one to hand out as a `tree_mask_view`). Throws `invalid_input` if
+//! `out` is too small.
+template <masked_tree T>
+void copy_packed_mask(const T& t, std::span<std::uint32_t> out) {
+  const auto n = static_cast<std::size_t>(t.num_nodes());
+  const auto w = static_cast<std::size_t>(t.words_per_row());
+  if (out.size() < n * w)
+    throw invalid_input("copy_packed_mask: buffer holds " + std::to_string(out.size()) + " words, needs " +
+                        std::to_string(n * w));
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t j = 0; j < w; ++j) out[i * w + j] = t.packed_mask_word(static_cast<int>(i), static_cast<int>(j));
+}
+
 //! Writes the dense mask `[num_nodes][num_nodes]` (row = query, 1 = may attend) as values of V
 //! (e.g. `float` for the reference's `[1,1,N,N]` tensor). Throws `invalid_input` if `out` is too small.
 template <masked_tree T, class V>

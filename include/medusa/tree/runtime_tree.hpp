@@ -168,6 +168,8 @@ class tree {
   [[nodiscard]] const std::vector<std::vector<int>>& sorted_paths() const noexcept { return sorted_; }
 
  private:
+  template <class Tree>
+  friend constexpr detail::tree_out detail::bind_outputs(Tree& t, int* order);
   tree() = default;
 
   static constexpr bool is_name_start(char c) noexcept {
@@ -214,30 +216,12 @@ class tree {
     t.depth_begin_.resize(static_cast<std::size_t>(depth) + 2);
     t.max_rank_.resize(static_cast<std::size_t>(depth) + 1);
     t.mask_.assign(n * static_cast<std::size_t>(t.words_), 0u);
-    detail::tree_out out;
-    out.order = order.data();
-    out.parent = t.parent_.data();
-    out.rank = t.rank_.data();
-    out.node_depth = t.node_depth_.data();
-    out.tree_index = t.tree_index_.data();
-    out.child_begin = t.child_begin_.data();
-    out.child_count = t.child_count_.data();
-    out.leaf = t.leaf_.data();
-    out.depth_begin = t.depth_begin_.data();
-    out.max_rank = t.max_rank_.data();
-    out.mask = t.mask_.data();
+    detail::tree_out out = detail::bind_outputs(t, order.data());
     f = detail::compile_sorted(in, opts, depth, out);
     if (f.failed) detail::throw_fault(f, &in, text);
     t.leaf_.resize(static_cast<std::size_t>(out.num_leaves));
-    const auto cols = static_cast<std::size_t>(depth) + 1;
-    t.retrieve_.assign(t.leaf_.size() * cols, -1);
-    for (std::size_t r = 0; r < t.leaf_.size(); ++r) {
-      int node = t.leaf_[r];
-      for (int d = t.node_depth_[static_cast<std::size_t>(node)]; d >= 0; --d) {
-        t.retrieve_[r * cols + static_cast<std::size_t>(d)] = node;
-        node = t.parent_[static_cast<std::size_t>(node)];
-      }
-    }
+    t.retrieve_.resize(t.leaf_.size() * (static_cast<std::size_t>(depth) + 1));
+    detail::write_retrieve(out, depth, t.retrieve_.data());
     t.sorted_.resize(n - 1);
     for (std::size_t i = 0; i + 1 < n; ++i) {
       const int k = order[i];

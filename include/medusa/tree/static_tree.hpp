@@ -214,18 +214,7 @@ constexpr static_tree_build<N> build_static_tree(const path_list& in, tree_optio
   int depth = 0;
   if (!f.failed) f = validate_paths(in, o, depth);
   std::array<int, N - 1> order{};
-  tree_out out;
-  out.order = order.data();
-  out.parent = t.parent_;
-  out.rank = t.rank_;
-  out.node_depth = t.node_depth_;
-  out.tree_index = t.tree_index_;
-  out.child_begin = t.child_begin_;
-  out.child_count = t.child_count_;
-  out.leaf = t.leaf_;
-  out.depth_begin = t.depth_begin_;
-  out.max_rank = t.max_rank_;
-  out.mask = t.mask_;
+  tree_out out = bind_outputs(t, order.data());
   if (!f.failed) f = compile_sorted(in, o, depth, out);
   if (f.failed) {
     r.fault = f;
@@ -235,15 +224,7 @@ constexpr static_tree_build<N> build_static_tree(const path_list& in, tree_optio
   t.topk_ = o.topk;
   t.depth_ = depth;
   t.num_leaves_ = out.num_leaves;
-  const int cols = depth + 1;
-  for (int row = 0; row < out.num_leaves; ++row) {
-    int node = t.leaf_[row];
-    for (int c = cols - 1; c >= 0; --c) {
-      const bool on_path = c <= t.node_depth_[node];
-      t.retrieve_[row * cols + c] = on_path ? node : -1;
-      if (on_path && c > 0) node = t.parent_[node];
-    }
-  }
+  write_retrieve(out, depth, t.retrieve_);
   return r;
 }
 
