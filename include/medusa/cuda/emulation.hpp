@@ -1,0 +1,296 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file cuda/emulation.hpp
+//! Host emulation of the kernel context (`kernel_context.hpp`): runs a kernel body's blocks on
+//! the CPU, one fiber per CUDA thread, so every kernel body executes in CI without a GPU.
+//!
+//! Blocks run one after another; inside a block, the threads are cooperative fibers that switch
+//! only at `sync()` and at warp operations, so the emulation is deterministic. A barrier that
+//! some threads never reach (divergent `sync()`, a lane missing from a shuffle, a thread that
+//! returned early) is reported as `emulation_error` rather than hanging. Shared memory is filled
+//! with a poison pattern before each block, so a body that reads it before writing it gives wrong
+//! results here as it would on the device.
+//!
+//! @code
+//! medusa::cuda::emulate({.grid_x = rows, .threads = 128, .shared_bytes = bytes},
+//!                       [&](auto& ctx) { medusa::cuda::kernels::row_top_k(ctx, params); });
+//! @endcode
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/cuda/kernel_context.hpp>
+#include <medusa/error.hpp>
+
+#include <ucontext.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define MEDUSA_EMULATION_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MEDUSA_EMULATION_ASAN 1
+#endif
+#endif
+#ifndef MEDUSA_EMULATION_ASAN
+#define MEDUSA_EMULATION_ASAN 0
+#endif
+#if MEDUSA_EMULATION_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+MEDUSA_NAMESPACE_BEGIN
+namespace cuda {
+
+//! A launch that the emulation (or the device) cannot run, or a kernel body that broke the
+//! context's rules (a barrier not reached by every thread).
+class emulation_error : public std::logic_error, public medusa::error {
+ public:
+  explicit emulation_error(const std::string& what) : std::logic_error("medusa: emulation: " + what) {}
+  [[nodiscard]] const char* message() const noexcept override { return what(); }
+};
+
+//! Grid, block and dynamic shared memory of one launch.
+struct launch_shape {
+  int grid_x = 1;                //!< blocks along x
+  int grid_y = 1;                //!< blocks along y
+  int threads = warp_size;       //!< threads per block: a multiple of 32 in [32, 1024]
+  std::size_t shared_bytes = 0;  //!< dynamic shared memory per block
+};
+
+namespace detail {
+
+inline constexpr std::size_t fiber_stack_bytes = MEDUSA_EMULATION_ASAN ? 256 * 1024 : 64 * 1024;
+
+// One block in flight: its fibers, barrier state and shared memory.
+struct fiber_block {
+  struct warp_sync {
+    int arrived = 0;
+    std::uint64_t generation = 0;
+    std::uint64_t slot[warp_size] = {};
+  };
+
+  int threads = 0;
+  int block_x = 0, block_y = 0, grid_x = 1, grid_y = 1;
+  std::vector<unsigned char> shared;
+  std::vector<ucontext_t> fibers;
+  ucontext_t scheduler{};
+  std::unique_ptr<unsigned char[]> stacks;
+  std::vector<char> done;
+  std::vector<warp_sync> warps;
+  int current = 0;
+  int live = 0;
+  int barrier_arrived = 0;
+  std::uint64_t barrier_generation = 0;
+  std::uint64_t progress = 0;  // bumped by every arrival, release and exit
+  std::exception_ptr error;
+  const std::function<void(int)>* body = nullptr;
+  const void* scheduler_stack = nullptr;  // for the sanitizer's fiber switches
+  std::size_t scheduler_stack_size = 0;
+
+  unsigned char* stack_of(int t) const noexcept {
+    return stacks.get() + static_cast<std::size_t>(t) * fiber_stack_bytes;
+  }
+
+  // Fiber → scheduler.
+  void yield() {
+#if MEDUSA_EMULATION_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, scheduler_stack, scheduler_stack_size);
+#endif
+    swapcontext(&fibers[static_cast<std::size_t>(current)], &scheduler);
+#if MEDUSA_EMULATION_ASAN
+    __sanitizer_finish_switch_fiber(fake, &scheduler_stack, &scheduler_stack_size);
+#endif
+  }
+
+  // Scheduler → fiber t.
+  void resume(int t) {
+    current = t;
+#if MEDUSA_EMULATION_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, stack_of(t), fiber_stack_bytes);
+#endif
+    swapcontext(&scheduler, &fibers[static_cast<std::size_t>(t)]);
+#if MEDUSA_EMULATION_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  }
+
+  void block_barrier() {
+    const std::uint64_t g = barrier_generation;
+    ++progress;
+    if (++barrier_arrived == threads) {
+      barrier_arrived = 0;
+      ++barrier_generation;
+      return;
+    }
+    while (barrier_generation == g) yield();
+  }
+
+  void warp_barrier(warp_sync& w) {
+    const std::uint64_t g = w.generation;
+    ++progress;
+    if (++w.arrived == warp_size) {
+      w.arrived = 0;
+      ++w.generation;
+      return;
+    }
+    while (w.generation == g) yield();
+  }
+
+  template <class T>
+  T exchange(int t, T v, int src_lane) {
+    static_assert(sizeof(T) <= sizeof(std::uint64_t) && std::is_trivially_copyable_v<T>,
+                  "warp shuffles move values of at most 8 bytes");
+    warp_sync& w = warps[static_cast<std::size_t>(t / warp_size)];
+    std::memcpy(&w.slot[t % warp_size], &v, sizeof(T));
+    warp_barrier(w);  // every lane has written
+    T out;
+    std::memcpy(&out, &w.slot[src_lane & (warp_size - 1)], sizeof(T));
+    warp_barrier(w);  // every lane has read: the slots may be reused
+    return out;
+  }
+};
+
+inline thread_local fiber_block* running_block = nullptr;
+
+inline void fiber_entry() {
+  fiber_block* b = running_block;
+#if MEDUSA_EMULATION_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &b->scheduler_stack, &b->scheduler_stack_size);
+#endif
+  const int t = b->current;
+  try {
+    (*b->body)(t);
+  } catch (...) {
+    if (!b->error) b->error = std::current_exception();
+  }
+  b->done[static_cast<std::size_t>(t)] = 1;
+  --b->live;
+  ++b->progress;
+#if MEDUSA_EMULATION_ASAN
+  __sanitizer_start_switch_fiber(nullptr, b->scheduler_stack, b->scheduler_stack_size);
+#endif
+  // Returning switches to uc_link, the scheduler.
+}
+
+// Kept out of line: getcontext returns twice, which must not touch the caller's loop state.
+[[gnu::noinline]] inline void init_fiber(fiber_block& b, int t) {
+  ucontext_t& f = b.fibers[static_cast<std::size_t>(t)];
+  getcontext(&f);
+  f.uc_stack.ss_sp = b.stack_of(t);
+  f.uc_stack.ss_size = fiber_stack_bytes;
+  f.uc_link = &b.scheduler;
+  makecontext(&f, fiber_entry, 0);
+}
+
+}  // namespace detail
+
+//! The host implementation of the kernel context (see `kernel_context.hpp`).
+class host_context {
+ public:
+  host_context(detail::fiber_block& block, int thread) noexcept : block_(&block), thread_(thread) {}
+  int thread() const noexcept { return thread_; }
+  int threads() const noexcept { return block_->threads; }
+  int block_x() const noexcept { return block_->block_x; }
+  int block_y() const noexcept { return block_->block_y; }
+  int grid_x() const noexcept { return block_->grid_x; }
+  int grid_y() const noexcept { return block_->grid_y; }
+  int lane() const noexcept { return thread_ % warp_size; }
+  int warp() const noexcept { return thread_ / warp_size; }
+  void sync() const { block_->block_barrier(); }
+  template <class T>
+  T shfl_xor(T v, int lane_mask) const {
+    return block_->exchange(thread_, v, lane() ^ lane_mask);
+  }
+  template <class T>
+  T shfl(T v, int src_lane) const {
+    return block_->exchange(thread_, v, src_lane);
+  }
+  std::uint32_t ballot(bool p) const {
+    // Every lane publishes its bit, then reads all 32.
+    detail::fiber_block::warp_sync& w = block_->warps[static_cast<std::size_t>(warp())];
+    w.slot[lane()] = p ? 1u : 0u;
+    block_->warp_barrier(w);
+    std::uint32_t bits = 0;
+    for (int l = 0; l < warp_size; ++l) bits |= static_cast<std::uint32_t>(w.slot[l] != 0) << l;
+    block_->warp_barrier(w);
+    return bits;
+  }
+  void* shared() const noexcept { return block_->shared.data(); }
+
+ private:
+  detail::fiber_block* block_;
+  int thread_;
+};
+
+//! Runs `body(ctx)` for every thread of every block of `shape` on the host, `ctx` a
+//! `host_context`. Blocks run in order (y outer, x inner).
+//! @throws emulation_error on a bad shape or a barrier that not every thread reaches; rethrows
+//!         an exception thrown by the body.
+template <class Body>
+void emulate(const launch_shape& shape, Body&& body) {
+  if (shape.threads < warp_size || shape.threads > 1024 || shape.threads % warp_size != 0)
+    throw emulation_error("threads per block must be a multiple of 32 in [32, 1024], got " +
+                          std::to_string(shape.threads));
+  if (shape.grid_x < 1 || shape.grid_y < 1)
+    throw emulation_error("grid must have at least one block, got " + std::to_string(shape.grid_x) +
+                          "x" + std::to_string(shape.grid_y));
+  if (shape.shared_bytes > 227 * 1024)
+    throw emulation_error("dynamic shared memory of " + std::to_string(shape.shared_bytes) +
+                          " bytes exceeds the 227 KiB a block can have");
+  detail::fiber_block b;
+  b.threads = shape.threads;
+  b.grid_x = shape.grid_x;
+  b.grid_y = shape.grid_y;
+  b.shared.resize(shape.shared_bytes + 16);
+  b.fibers.resize(static_cast<std::size_t>(shape.threads));
+  b.done.resize(static_cast<std::size_t>(shape.threads));
+  b.warps.resize(static_cast<std::size_t>(shape.threads / warp_size));
+  b.stacks.reset(new unsigned char[static_cast<std::size_t>(shape.threads) * detail::fiber_stack_bytes]);
+  const std::function<void(int)> run_thread = [&](int t) {
+    host_context ctx(b, t);
+    body(ctx);
+  };
+  b.body = &run_thread;
+  detail::fiber_block* const outer = detail::running_block;
+  detail::running_block = &b;
+  struct restore {
+    detail::fiber_block* outer;
+    ~restore() { detail::running_block = outer; }
+  } restore_running{outer};
+  for (int y = 0; y < shape.grid_y; ++y) {
+    for (int x = 0; x < shape.grid_x; ++x) {
+      b.block_x = x;
+      b.block_y = y;
+      std::memset(b.shared.data(), 0xA5, b.shared.size());
+      std::fill(b.done.begin(), b.done.end(), char{0});
+      for (auto& w : b.warps) w.arrived = 0;
+      b.barrier_arrived = 0;
+      b.live = shape.threads;
+      for (int t = 0; t < shape.threads; ++t) detail::init_fiber(b, t);
+      while (b.live > 0) {
+        const std::uint64_t before = b.progress;
+        for (int t = 0; t < shape.threads && !b.error; ++t)
+          if (!b.done[static_cast<std::size_t>(t)]) b.resume(t);
+        if (b.error) std::rethrow_exception(b.error);
+        if (b.live > 0 && b.progress == before)
+          throw emulation_error("block (" + std::to_string(x) + ", " + std::to_string(y) + "): " +
+                                std::to_string(b.live) + " of " + std::to_string(shape.threads) +
+                                " threads wait at a barrier that the others never reach");
+      }
+    }
+  }
+}
+
+}  // namespace cuda
+MEDUSA_NAMESPACE_END

@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file cuda/kernel_context.hpp
+//! The execution context every Medusa kernel body is written against, so that one source runs on
+//! a CUDA device and, in CI, on the host (docs/cuda.md).
+//!
+//! A kernel body is a function template `template <class Ctx> MEDUSA_KERNEL_FN void body(Ctx& ctx,
+//! const params&)`. It reaches the hardware only through `ctx`:
+//!
+//! | member                    | CUDA                          | meaning                          |
+//! |---------------------------|-------------------------------|----------------------------------|
+//! | `thread()`, `threads()`   | `threadIdx.x`, `blockDim.x`   | this thread, threads per block   |
+//! | `block_x()`, `block_y()`  | `blockIdx.x`, `blockIdx.y`    | this block                       |
+//! | `grid_x()`, `grid_y()`    | `gridDim.x`, `gridDim.y`      | blocks in the grid               |
+//! | `lane()`, `warp()`        | `threadIdx.x % 32`, `/ 32`    | place in the warp                |
+//! | `sync()`                  | `__syncthreads()`             | block barrier                    |
+//! | `shfl_xor(v, m)`          | `__shfl_xor_sync(~0u, v, m)`  | butterfly exchange in the warp   |
+//! | `shfl(v, src)`            | `__shfl_sync(~0u, v, src)`    | broadcast from lane `src`        |
+//! | `ballot(p)`               | `__ballot_sync(~0u, p)`       | predicate bits of the warp       |
+//! | `shared()`                | `extern __shared__` storage   | the block's dynamic shared bytes |
+//!
+//! Rules for bodies: blocks have a multiple of 32 threads; every thread of a block reaches each
+//! `sync()` and every lane of a warp each warp operation (the host emulation checks both and
+//! reports a divergent barrier instead of hanging); shuffled values are at most 8 bytes. CUB block
+//! primitives do not run on the host, so bodies use these members instead.
+//!
+//! `device_context` (here, under nvcc) is the CUDA implementation; `emulation.hpp` holds the host
+//! one. Kernel bodies themselves live in `cuda/kernels/`.
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/half.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+//! Marks a kernel body or a helper it calls: device code under nvcc, plain C++ elsewhere.
+#if defined(__CUDACC__)
+#define MEDUSA_KERNEL_FN __device__ inline
+#else
+#define MEDUSA_KERNEL_FN inline
+#endif
+
+MEDUSA_NAMESPACE_BEGIN
+namespace cuda {
+
+//! Threads per warp, on the device and in the emulation.
+inline constexpr int warp_size = 32;
+
+//! Logit/activation element → float, using the hardware conversion on the device.
+MEDUSA_KERNEL_FN float load_float(float x) noexcept { return x; }
+MEDUSA_KERNEL_FN float load_float(medusa::half x) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(x.bits()));
+#else
+  return static_cast<float>(x);
+#endif
+}
+MEDUSA_KERNEL_FN float load_float(medusa::bfloat16 x) noexcept {
+  return detail::bits_to_float(static_cast<std::uint32_t>(x.bits()) << 16);
+}
+
+//! float → element, round to nearest even (hardware conversion on the device).
+template <class T>
+MEDUSA_KERNEL_FN T store_float(float x) noexcept {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+#if defined(__CUDA_ARCH__)
+    if constexpr (std::is_same_v<T, medusa::half>)
+      return medusa::half::from_bits(__half_as_ushort(__float2half_rn(x)));
+    else
+      return medusa::bfloat16::from_bits(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
+#else
+    return T(x);
+#endif
+  }
+}
+
+#if defined(__CUDACC__)
+//! The CUDA implementation of the kernel context (see the table above).
+struct device_context {
+  __device__ int thread() const noexcept { return static_cast<int>(threadIdx.x); }
+  __device__ int threads() const noexcept { return static_cast<int>(blockDim.x); }
+  __device__ int block_x() const noexcept { return static_cast<int>(blockIdx.x); }
+  __device__ int block_y() const noexcept { return static_cast<int>(blockIdx.y); }
+  __device__ int grid_x() const noexcept { return static_cast<int>(gridDim.x); }
+  __device__ int grid_y() const noexcept { return static_cast<int>(gridDim.y); }
+  __device__ int lane() const noexcept { return static_cast<int>(threadIdx.x) & (warp_size - 1); }
+  __device__ int warp() const noexcept { return static_cast<int>(threadIdx.x) / warp_size; }
+  __device__ void sync() const noexcept { __syncthreads(); }
+  template <class T>
+  __device__ T shfl_xor(T v, int lane_mask) const noexcept {
+    return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+  }
+  template <class T>
+  __device__ T shfl(T v, int src_lane) const noexcept {
+    return __shfl_sync(0xffffffffu, v, src_lane);
+  }
+  __device__ std::uint32_t ballot(bool p) const noexcept { return __ballot_sync(0xffffffffu, p); }
+  __device__ void* shared() const noexcept {
+    extern __shared__ __align__(16) unsigned char medusa_dynamic_shared[];
+    return medusa_dynamic_shared;
+  }
+};
+#endif
+
+}  // namespace cuda
+MEDUSA_NAMESPACE_END
