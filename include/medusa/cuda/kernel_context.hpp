@@ -45,6 +45,16 @@
 #define MEDUSA_KERNEL_FN inline
 #endif
 
+//! Unrolls the next loop fully (nvcc) or up to 16 times (g++/clang), without unknown-pragma
+//! warnings on either.
+#if defined(__CUDACC__)
+#define MEDUSA_UNROLL _Pragma("unroll")
+#elif defined(__clang__)
+#define MEDUSA_UNROLL _Pragma("clang loop unroll(full)")
+#else
+#define MEDUSA_UNROLL _Pragma("GCC unroll 16")
+#endif
+
 MEDUSA_NAMESPACE_BEGIN
 namespace cuda {
 
@@ -62,6 +72,11 @@ MEDUSA_KERNEL_FN float load_float(medusa::half x) noexcept {
 }
 MEDUSA_KERNEL_FN float load_float(medusa::bfloat16 x) noexcept {
   return detail::bits_to_float(static_cast<std::uint32_t>(x.bits()) << 16);
+}
+
+//! False for NaN and ±Inf (an exponent test, the same on both sides).
+MEDUSA_KERNEL_FN bool is_finite(float x) noexcept {
+  return (detail::float_to_bits(x) & 0x7f800000u) != 0x7f800000u;
 }
 
 //! float → element, round to nearest even (hardware conversion on the device).
