@@ -18,6 +18,7 @@
 
 #include <medusa/config.hpp>
 #include <medusa/cuda/kernel_context.hpp>
+#include <medusa/cuda/launch.hpp>
 #include <medusa/error.hpp>
 
 #include <ucontext.h>
@@ -56,14 +57,6 @@ class emulation_error : public std::logic_error, public medusa::error {
  public:
   explicit emulation_error(const std::string& what) : std::logic_error("medusa: emulation: " + what) {}
   [[nodiscard]] const char* message() const noexcept override { return what(); }
-};
-
-//! Grid, block and dynamic shared memory of one launch.
-struct launch_shape {
-  int grid_x = 1;                //!< blocks along x
-  int grid_y = 1;                //!< blocks along y
-  int threads = warp_size;       //!< threads per block: a multiple of 32 in [32, 1024]
-  std::size_t shared_bytes = 0;  //!< dynamic shared memory per block
 };
 
 namespace detail {

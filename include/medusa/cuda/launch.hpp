@@ -25,6 +25,14 @@
 MEDUSA_NAMESPACE_BEGIN
 namespace cuda {
 
+//! Grid, block and dynamic shared memory of one launch (the device's and the emulation's).
+struct launch_shape {
+  int grid_x = 1;                //!< blocks along x
+  int grid_y = 1;                //!< blocks along y
+  int threads = 32;              //!< threads per block: a multiple of 32 in [32, 1024]
+  std::size_t shared_bytes = 0;  //!< dynamic shared memory per block
+};
+
 //! What was wrong with a launch's arguments.
 enum class launch_errc {
   invalid_shape,  //!< a size out of range: batch, vocab, k, heads, tree nodes, threads

@@ -142,6 +142,18 @@ MEDUSA_KERNEL_FN void block_merge(Ctx& ctx, top_list<K>& l) {
   ctx.sync();
 }
 
+//! Writes the first `k` entries of `l` (ids, and values when `values` is not null).
+template <int K>
+MEDUSA_KERNEL_FN void write_list(const top_list<K>& l, int k, std::int32_t* ids, float* values) {
+  MEDUSA_UNROLL
+  for (int j = 0; j < K; ++j) {
+    if (j < k) {
+      ids[j] = l.id[j];
+      if (values != nullptr) values[j] = l.v[j];
+    }
+  }
+}
+
 //! Arguments of the top-k kernels; `T` is float, `medusa::half` or `medusa::bfloat16`.
 template <class T>
 struct top_k_args {
@@ -194,17 +206,13 @@ MEDUSA_KERNEL_FN void top_k_scan(Ctx& ctx, const top_k_args<T>& a) {
     a.status[row / a.rows_per_status] = static_cast<std::int32_t>(request_status::non_finite_logit);
   block_merge(ctx, l);
   if (ctx.thread() == 0) {
+    // Static indices keep the list in registers.
     if (a.splits == 1) {
-      for (int j = 0; j < a.k; ++j) {
-        a.out_ids[row * a.k + j] = l.id[j];
-        if (a.out_values != nullptr) a.out_values[row * a.k + j] = l.v[j];
-      }
+      write_list(l, a.k, a.out_ids + static_cast<std::int64_t>(row) * a.k,
+                 a.out_values != nullptr ? a.out_values + static_cast<std::int64_t>(row) * a.k : nullptr);
     } else {
       const std::int64_t base = (static_cast<std::int64_t>(row) * a.splits + split) * a.k;
-      for (int j = 0; j < a.k; ++j) {
-        a.part_values[base + j] = l.v[j];
-        a.part_ids[base + j] = l.id[j];
-      }
+      write_list(l, a.k, a.part_ids + base, a.part_values + base);
     }
   }
 }
@@ -229,12 +237,9 @@ MEDUSA_KERNEL_FN void top_k_merge_splits(Ctx& ctx, const top_k_args<T>& a) {
     l.merge(o);
   }
   block_merge(ctx, l);
-  if (ctx.thread() == 0) {
-    for (int j = 0; j < a.k; ++j) {
-      a.out_ids[row * a.k + j] = l.id[j];
-      if (a.out_values != nullptr) a.out_values[row * a.k + j] = l.v[j];
-    }
-  }
+  if (ctx.thread() == 0)
+    write_list(l, a.k, a.out_ids + static_cast<std::int64_t>(row) * a.k,
+               a.out_values != nullptr ? a.out_values + static_cast<std::int64_t>(row) * a.k : nullptr);
 }
 
 //! Launch shapes and workspace of a top-k over `rows` rows.
