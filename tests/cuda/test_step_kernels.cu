@@ -7,7 +7,7 @@
 #include <medusa/acceptance.hpp>
 #include <medusa/candidates.hpp>
 #include <medusa/cuda/common.cuh>
-#include <medusa/cuda/step.cuh>
+#include <medusa/cuda/step_instances.cuh>
 #include <medusa/tree.hpp>
 #include <medusa/tree/presets.hpp>
 

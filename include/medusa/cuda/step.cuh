@@ -274,8 +274,13 @@ class step_kernels {
                                       sizeof(std::int32_t));
   }
   static const kernel_tree& static_kernel_tree() {
-    static constexpr kernel_tree fixed = fixed_tree_of<Tree>();
-    return fixed;
+    if constexpr (is_static) {
+      static constexpr kernel_tree fixed = fixed_tree_of<Tree>();
+      return fixed;
+    } else {
+      static const kernel_tree none{};
+      return none;
+    }
   }
   static const kernel_tree& tree_of(const kernel_tree& given) {
     if constexpr (is_static)
