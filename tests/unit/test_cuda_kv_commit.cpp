@@ -111,7 +111,8 @@ bool addressable(const View& view, int slot) {
 // checks that every row outside a request's committed range [L+1, L+A] kept its bytes.
 template <class T, class ViewsOf>
 void check_commit(std::vector<T>& k, std::vector<T>& v, T* k_base, T* v_base, mk::kv_commit_params params,
-                  const std::vector<request_case>& requests, ViewsOf views_of, const mc::launch_shape* shape) {
+                  const std::vector<request_case>& requests, ViewsOf views_of, const mc::launch_shape* shape,
+                  bool strided = false) {
   std::vector<T> ref_k = k, ref_v = v, old_k = k, old_v = v;
   const auto shift = [](std::vector<T>& to, const std::vector<T>& from, T* p) {
     return to.data() + (p - from.data());
@@ -124,6 +125,21 @@ void check_commit(std::vector<T>& k, std::vector<T>& v, T* k_base, T* v_base, mk
   }
   packed_batch batch(requests);
   params.batch = batch.view();
+  // The verify kernels' layout: [B][stride] paths and accept lengths A_b.
+  std::vector<std::int32_t> strided_paths, accept_lengths;
+  if (strided) {
+    int stride = 1;
+    for (const auto& r : requests) stride = std::max(stride, static_cast<int>(r.path.size()));
+    strided_paths.assign(requests.size() * static_cast<std::size_t>(stride), -5);
+    for (std::size_t b = 0; b < requests.size(); ++b) {
+      std::copy(requests[b].path.begin(), requests[b].path.end(), strided_paths.begin() + static_cast<std::ptrdiff_t>(b) * stride);
+      accept_lengths.push_back(static_cast<std::int32_t>(requests[b].path.size()) - 1);
+    }
+    params.batch.path_offsets = nullptr;
+    params.batch.paths = strided_paths.data();
+    params.batch.path_stride = stride;
+    params.batch.accept_lengths = accept_lengths.data();
+  }
   const mk::kv_commit_plan plan = mk::plan_kv_commit(params);
   CHECK(plan.workspace_bytes == 0);
   CHECK(plan.vector_bytes == mk::kv_commit_vector_bytes(params));
@@ -159,7 +175,7 @@ void check_commit(std::vector<T>& k, std::vector<T>& v, T* k_base, T* v_base, mk
 template <class T>
 void check_contiguous(kv_layout layout, kv_extents ext, int capacity, const std::vector<request_case>& requests,
                       std::uint32_t seed, int expect_vector_bytes, int base_shift = 0,
-                      const mc::launch_shape* shape = nullptr) {
+                      const mc::launch_shape* shape = nullptr, bool strided = false) {
   using mapping = medusa::layout_kv_strided::mapping;
   const int batch = static_cast<int>(requests.size());
   const mapping whole = mapping::dense(ext, batch * capacity, layout);
@@ -183,7 +199,7 @@ void check_contiguous(kv_layout layout, kv_extents ext, int capacity, const std:
   const auto params = mk::make_kv_commit_params(medusa::kv_cache_view<T>(k_base, v_base, whole), {},
                                                 slot_bases.data(), capacity);
   CHECK(mk::kv_commit_vector_bytes(params) == expect_vector_bytes);
-  check_commit(k, v, k_base, v_base, params, requests, views_of, shape);
+  check_commit(k, v, k_base, v_base, params, requests, views_of, shape, strided);
 }
 
 // A batch in a page pool `[layers][pages][page]` with a scrambled block table per request
@@ -404,4 +420,11 @@ TEST_CASE("the plan refuses bad geometry with launch_error") {
   p = paged();
   p.page_size = -1;
   CHECK_THROWS_WITH_AS((void)mk::plan_kv_commit(p), doctest::Contains("kv commit: page_size"), mc::launch_error);
+}
+
+TEST_CASE("paths read straight from the verify kernels' output ([B][stride] + accept lengths)") {
+  check_contiguous<float>(kv_layout::nhd, {2, 3, 8}, 24, fixed_requests(), 3, 16, 0, nullptr, /*strided=*/true);
+  std::mt19937 rng(11);
+  check_contiguous<medusa::bfloat16>(kv_layout::hnd, {2, 2, 8}, 20, random_requests(rng, 6, 20, 12), rng(), 16, 0,
+                                     nullptr, /*strided=*/true);
 }

@@ -46,8 +46,10 @@ __global__ void __launch_bounds__(kernels::kv_commit_max_threads)
 inline cudaError_t run(const kernels::kv_commit_plan& plan, const kernels::kv_commit_params& params,
                        cudaStream_t stream) {
   const kernels::kv_commit_batch& batch = params.batch;
-  if (batch.size < 1 || batch.committed_lengths == nullptr || batch.path_offsets == nullptr ||
-      batch.paths == nullptr || params.k == nullptr || params.v == nullptr)
+  if (batch.size < 1 || batch.committed_lengths == nullptr || batch.paths == nullptr || params.k == nullptr ||
+      params.v == nullptr || batch.path_stride < 0)
+    return cudaErrorInvalidValue;
+  if (batch.path_stride > 0 ? batch.accept_lengths == nullptr : batch.path_offsets == nullptr)
     return cudaErrorInvalidValue;
   if (batch.new_lengths != nullptr && batch.new_lengths == batch.committed_lengths) return cudaErrorInvalidValue;
   if (params.layout == kernels::kv_commit_layout::paged && params.block_tables == nullptr)

@@ -5,7 +5,8 @@
 //! `path_b[0..A_b]` move to slots `[L_b, L_b + A_b]`, for every layer, KV head, K and V, exactly
 //! as `medusa::kv_commit` does on the host (bit for bit: rows are moved, never converted).
 //!
-//! - Batch: paths are packed. Request `b`'s path is `paths[path_offsets[b] .. path_offsets[b+1])`
+//! - Batch: paths are packed (or, with `path_stride`, read straight from the verify kernels' output).
+//!   Request `b`'s path is `paths[path_offsets[b] .. path_offsets[b+1])`
 //!   (an exclusive prefix over the path lengths `A_b + 1`), so a batch mixing short and long
 //!   accepted paths wastes nothing and path lengths are unbounded.
 //! - Caches: contiguous with element strides (each request owning the slots from
@@ -79,6 +80,11 @@ struct kv_commit_batch {
   const std::int32_t* path_offsets = nullptr;    //!< [B+1] request b's path is `paths[off[b] .. off[b+1])`
   const std::int32_t* paths = nullptr;           //!< packed accepted paths: `0 = p_0 < p_1 < ... < p_A`
   std::int32_t* new_lengths = nullptr;           //!< [B] out, optional: `L_b + A_b + 1`, or -1 if rejected
+  //! > 0: the paths are the verify kernels' output instead (`verify_args::path_nodes`): request b's
+  //! path is `paths[b·path_stride ..]` with `accept_lengths[b] + 1` entries, and `path_offsets` is
+  //! unused. This lets a step chain verify and commit on the device without a host round trip.
+  int path_stride = 0;
+  const std::int32_t* accept_lengths = nullptr;  //!< [B] A_b, with `path_stride` (`verify_args::accept_length`)
 };
 
 //! Arguments of one commit: the batch and the cache geometry. Strides are in elements, pointers
@@ -338,9 +344,11 @@ MEDUSA_KERNEL_FN void kv_commit_with_width(Ctx& ctx, const kv_commit_params& p) 
   const auto eb = static_cast<std::size_t>(p.element_bytes);
   for (int b = ctx.block_y(); b < p.batch.size; b += ctx.grid_y()) {
     const int committed = p.batch.committed_lengths[b];
-    const int first = p.batch.path_offsets[b];
-    const int length = p.batch.path_offsets[b + 1] - first;
-    const bool ok = detail::kv_commit_request_ok(p, b, committed, first, length);
+    const bool strided_paths = p.batch.path_stride > 0;
+    const int first = strided_paths ? b * p.batch.path_stride : p.batch.path_offsets[b];
+    const int length = strided_paths ? p.batch.accept_lengths[b] + 1 : p.batch.path_offsets[b + 1] - first;
+    const bool ok = (!strided_paths || length <= p.batch.path_stride) &&
+                    detail::kv_commit_request_ok(p, b, committed, first, length);
     if (p.batch.new_lengths != nullptr && first_item == 0) p.batch.new_lengths[b] = ok ? committed + length : -1;
     if (!ok || first_item >= items) continue;
     const std::int32_t* path = p.batch.paths + first;
