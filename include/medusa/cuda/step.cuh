@@ -202,7 +202,7 @@ class step_kernels {
   //! @throws launch_error on bad sizes or unsupported warps (see `plan_top_k`, `plan_verify`).
   template <class HostTree = kernel_tree>
   static plan_type plan(int batch, int vocab, kernels::verify_kind kind, const HostTree& shape = {},
-                        float temperature = 0.0f, int top_k = 0, float top_p = 1.0f, int target_blocks = 264) {
+                        float temperature = 0.0f, int top_k = 0, float top_p = 1.0f, int target_blocks = 528) {
     if constexpr (is_static)
       return plan_for(static_kernel_tree(), batch, vocab, kind, temperature, top_k, top_p, target_blocks);
     else

@@ -183,25 +183,10 @@ MEDUSA_KERNEL_FN void top_k_scan(Ctx& ctx, const top_k_args<T>& a) {
   top_list<K> l;
   l.clear();
   bool finite = true;
-  // Four independent loads in flight per thread before any compare.
-  const int step = ctx.threads();
-  int i = begin + ctx.thread();
-  for (; i + 3 * step < end; i += 4 * step) {
-    const float x0 = load_float(x[i]);
-    const float x1 = load_float(x[i + step]);
-    const float x2 = load_float(x[i + 2 * step]);
-    const float x3 = load_float(x[i + 3 * step]);
-    finite = finite && is_finite(x0) && is_finite(x1) && is_finite(x2) && is_finite(x3);
-    l.insert(x0, i);
-    l.insert(x1, i + step);
-    l.insert(x2, i + 2 * step);
-    l.insert(x3, i + 3 * step);
-  }
-  for (; i < end; i += step) {
-    const float xi = load_float(x[i]);
+  for_each_element(ctx, x, begin, end, [&](float xi, int i) {
     finite = finite && is_finite(xi);
     l.insert(xi, i);
-  }
+  });
   if (!finite && a.status != nullptr)
     a.status[row / a.rows_per_status] = static_cast<std::int32_t>(request_status::non_finite_logit);
   block_merge(ctx, l);
@@ -256,10 +241,10 @@ struct top_k_plan {
 };
 
 //! Plans a top-k of `k` ids per row. `target_blocks` is the number of stage-1 blocks that fills
-//! the GPU (about 2 per SM); rows are split until there are that many, slices no shorter than
+//! the GPU (about 4 per SM); rows are split until there are that many, slices no shorter than
 //! 2048 elements.
 //! @throws launch_error `invalid_shape` (rows < 1, vocab < k, k < 1), `unsupported` (k > 16).
-inline top_k_plan plan_top_k(int rows, int vocab, int k, int target_blocks = 264) {
+inline top_k_plan plan_top_k(int rows, int vocab, int k, int target_blocks = 528) {
   if (rows < 1 || k < 1 || vocab < k)
     throw launch_error(launch_errc::invalid_shape,
                        "top-k: need rows >= 1 and 1 <= k <= vocab, got rows " + std::to_string(rows) +
@@ -276,7 +261,7 @@ inline top_k_plan plan_top_k(int rows, int vocab, int k, int target_blocks = 264
   const int max_splits = std::min(256, (vocab + min_slice - 1) / min_slice);
   p.splits = std::clamp((std::max(target_blocks, 1) + rows - 1) / rows, 1, std::max(max_splits, 1));
   p.chunk = (vocab + p.splits - 1) / p.splits;
-  p.chunk = (p.chunk + 3) / 4 * 4;
+  p.chunk = (p.chunk + 7) / 8 * 8;  // slices start 16-byte aligned for 2- and 4-byte logits
   p.splits = (vocab + p.chunk - 1) / p.chunk;
   const int threads = std::clamp((p.chunk / 8 + warp_size - 1) / warp_size * warp_size, warp_size, 256);
   const std::size_t shared = block_merge_shared_bytes(p.bucket);

@@ -139,14 +139,13 @@ MEDUSA_KERNEL_FN void row_argmax(Ctx& ctx, const T* x, int vocab, float& max, in
   float best = -__builtin_inff();
   int best_id = INT_MAX;
   bool ok = true;
-  for (int i = ctx.thread(); i < vocab; i += ctx.threads()) {
-    const float xi = load_float(x[i]);
+  for_each_element(ctx, x, 0, vocab, [&](float xi, int i) {
     ok = ok && is_finite(xi);
     if (ranks_before(xi, i, best, best_id)) {
       best = xi;
       best_id = i;
     }
-  }
+  });
   block_argmax(ctx, best, best_id);
   max = best;
   argmax = best_id;
@@ -219,14 +218,14 @@ MEDUSA_KERNEL_FN void node_rows(Ctx& ctx, const verify_args<T>& a) {
       double* scratch = static_cast<double*>(ctx.shared());
       const float k = (1.0f / a.temperature) * 1.44269504088896341f;
       float part = 0.0f;
-      for (int i = ctx.thread(); i < a.vocab; i += ctx.threads()) part += exp2f((load_float(x[i]) - max) * k);
+      for_each_element(ctx, x, 0, a.vocab, [&](float xi, int) { part += exp2f((xi - max) * k); });
       const double sum = detail::block_sum(ctx, static_cast<double>(part), scratch);
       const auto inv_sum = static_cast<float>(1.0 / sum);
       float h = 0.0f;
-      for (int i = ctx.thread(); i < a.vocab; i += ctx.threads()) {
-        const float q = exp2f((load_float(x[i]) - max) * k) * inv_sum;
+      for_each_element(ctx, x, 0, a.vocab, [&](float xi, int) {
+        const float q = exp2f((xi - max) * k) * inv_sum;
         h += q * logf(q + 1e-5f);
-      }
+      });
       const double entropy = -detail::block_sum(ctx, static_cast<double>(h), scratch);
       s.log_sum = log(sum);
       const double by_entropy = static_cast<double>(a.posterior_alpha) * exp(-entropy);
@@ -371,8 +370,8 @@ MEDUSA_KERNEL_FN void sample_path(Ctx& ctx, const Tree& tree, const verify_args<
     }
     int num_rejected = 0;
     // The warped target, unnormalised, after the rejections so far (recomputed, never stored).
-    auto residual = [&](int i) -> double {
-      double r = sampled ? static_cast<double>(exp2f((load_float(z[i]) - max) * k)) : (i == argmax ? 1.0 : 0.0);
+    auto residual_of = [&](float zi, int i) -> double {
+      double r = sampled ? static_cast<double>(exp2f((zi - max) * k)) : (i == argmax ? 1.0 : 0.0);
       for (int j = 0; j < num_rejected; ++j) {
         if constexpr (Draft) {
           const float* q = a.draft_probs + (static_cast<std::int64_t>(b) * n + rejected[j]) * v;
@@ -384,9 +383,10 @@ MEDUSA_KERNEL_FN void sample_path(Ctx& ctx, const Tree& tree, const verify_args<
       }
       return r;
     };
+    auto residual = [&](int i) { return residual_of(load_float(z[i]), i); };
     auto residual_mass = [&]() {
       double part = 0.0;
-      for (int i = ctx.thread(); i < v; i += ctx.threads()) part += residual(i);
+      for_each_element(ctx, z, 0, v, [&](float zi, int i) { part += residual_of(zi, i); });
       return detail::block_sum(ctx, part, scratch);
     };
     double m = residual_mass();
@@ -418,17 +418,18 @@ MEDUSA_KERNEL_FN void sample_path(Ctx& ctx, const Tree& tree, const verify_args<
           break;
         }
         double next = 0.0;
-        for (int i = ctx.thread(); i < v; i += ctx.threads()) {
-          const double ri = residual(i) - m * static_cast<double>(q[i]);
+        for_each_element(ctx, z, 0, v, [&](float zi, int i) {
+          const double ri = residual_of(zi, i) - m * static_cast<double>(q[i]);
           next += ri > 0.0 ? ri : 0.0;
-        }
+        });
         next = detail::block_sum(ctx, next, scratch);
+        // The barrier stays outside the branch, so no compiler can see it in divergent code.
+        if (next > 0.0 && ctx.thread() == 0) {
+          rejected[num_rejected] = c;
+          rejected_m[num_rejected] = m;
+        }
+        ctx.sync();
         if (next > 0.0) {
-          if (ctx.thread() == 0) {
-            rejected[num_rejected] = c;
-            rejected_m[num_rejected] = m;
-          }
-          ctx.sync();
           ++num_rejected;
           m = next;
         }
@@ -441,6 +442,7 @@ MEDUSA_KERNEL_FN void sample_path(Ctx& ctx, const Tree& tree, const verify_args<
         ctx.sync();
         ++num_rejected;
         m -= rx;
+        // Rounding left no mass (every thread sees the same m): restore the exact remainder.
         if (!(m > 0.0)) m = residual_mass();
       }
     }
@@ -556,7 +558,9 @@ inline verify_plan plan_verify(verify_kind kind, int batch, int num_nodes, int d
   p.batch = batch;
   p.num_nodes = num_nodes;
   p.vocab = vocab;
-  const int row_threads = std::clamp((vocab / 16 + warp_size - 1) / warp_size * warp_size, warp_size, 256);
+  const int row_threads = std::clamp((vocab / 16 + warp_size - 1) / warp_size * warp_size, warp_size, 512);
+  // One block walks a request's whole tree: give it all the threads a block can have.
+  const int walk_threads = std::clamp((vocab / 16 + warp_size - 1) / warp_size * warp_size, warp_size, 1024);
   if (!sampling) {
     p.rows = {.grid_x = batch * num_nodes, .grid_y = 1, .threads = row_threads,
               .shared_bytes = block_merge_shared_bytes(1) + 64 * sizeof(double)};
@@ -566,8 +570,8 @@ inline verify_plan plan_verify(verify_kind kind, int batch, int num_nodes, int d
     p.workspace_bytes = workspace_carver::round_up(static_cast<std::size_t>(batch) *
                                                    static_cast<std::size_t>(num_nodes) * sizeof(node_row_stats));
   } else {
-    p.path = {.grid_x = batch, .grid_y = 1, .threads = row_threads,
-              .shared_bytes = std::max(sample_path_shared_bytes(row_threads, num_nodes), block_merge_shared_bytes(1))};
+    p.path = {.grid_x = batch, .grid_y = 1, .threads = walk_threads,
+              .shared_bytes = std::max(sample_path_shared_bytes(walk_threads, num_nodes), block_merge_shared_bytes(1))};
   }
   return p;
 }
