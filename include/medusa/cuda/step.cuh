@@ -57,13 +57,13 @@ struct kernel_tree_for<runtime_tree> {
 namespace detail {
 
 template <int K, class T>
-__global__ void top_k_scan_kernel(kernels::top_k_args<T> a) {
+__global__ void __launch_bounds__(kernels::top_k_threads_max) top_k_scan_kernel(kernels::top_k_args<T> a) {
   device_context ctx;
   kernels::top_k_scan<K>(ctx, a);
 }
 
 template <int K, class T>
-__global__ void top_k_merge_kernel(kernels::top_k_args<T> a) {
+__global__ void __launch_bounds__(kernels::top_k_threads_max) top_k_merge_kernel(kernels::top_k_args<T> a) {
   device_context ctx;
   kernels::top_k_merge_splits<K>(ctx, a);
 }
@@ -75,7 +75,7 @@ __global__ void gather_kernel(const Tree tree, kernels::gather_args a) {
 }
 
 template <kernels::verify_kind Kind, class T>
-__global__ void node_rows_kernel(kernels::verify_args<T> a) {
+__global__ void __launch_bounds__(kernels::verify_row_threads_max) node_rows_kernel(kernels::verify_args<T> a) {
   device_context ctx;
   kernels::node_rows<Kind>(ctx, a);
 }
@@ -87,7 +87,7 @@ __global__ void select_path_kernel(const Tree tree, kernels::verify_args<T> a) {
 }
 
 template <bool Draft, class Tree, class T>
-__global__ void sample_path_kernel(const Tree tree, kernels::verify_args<T> a) {
+__global__ void __launch_bounds__(kernels::verify_walk_threads_max, 1) sample_path_kernel(const Tree tree, kernels::verify_args<T> a) {
   device_context ctx;
   kernels::sample_path<Draft>(ctx, tree, a);
 }

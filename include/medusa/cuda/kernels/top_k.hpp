@@ -27,6 +27,9 @@ MEDUSA_NAMESPACE_BEGIN
 namespace cuda {
 namespace kernels {
 
+//! Most threads of a top-k block (the launchers' `__launch_bounds__`).
+inline constexpr int top_k_threads_max = 256;
+
 //! Candidate ranking: larger value first, equal values by ascending id.
 MEDUSA_KERNEL_FN bool ranks_before(float a, int ia, float b, int ib) noexcept {
   return a > b || (a == b && ia < ib);
@@ -263,10 +266,11 @@ inline top_k_plan plan_top_k(int rows, int vocab, int k, int target_blocks = 528
   p.chunk = (vocab + p.splits - 1) / p.splits;
   p.chunk = (p.chunk + 7) / 8 * 8;  // slices start 16-byte aligned for 2- and 4-byte logits
   p.splits = (vocab + p.chunk - 1) / p.chunk;
-  const int threads = std::clamp((p.chunk / 8 + warp_size - 1) / warp_size * warp_size, warp_size, 256);
+  const int threads = std::clamp((p.chunk / 8 + warp_size - 1) / warp_size * warp_size, warp_size, top_k_threads_max);
   const std::size_t shared = block_merge_shared_bytes(p.bucket);
   p.scan = {.grid_x = p.splits, .grid_y = rows, .threads = threads, .shared_bytes = shared};
-  const int merge_threads = std::clamp((p.splits + warp_size - 1) / warp_size * warp_size, warp_size, 256);
+  const int merge_threads =
+      std::clamp((p.splits + warp_size - 1) / warp_size * warp_size, warp_size, top_k_threads_max);
   p.merge = {.grid_x = rows, .grid_y = 1, .threads = merge_threads, .shared_bytes = shared};
   if (p.splits > 1) {
     const auto cells = static_cast<std::size_t>(rows) * static_cast<std::size_t>(p.splits) * static_cast<std::size_t>(k);

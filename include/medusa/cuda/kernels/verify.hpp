@@ -42,6 +42,11 @@ MEDUSA_NAMESPACE_BEGIN
 namespace cuda {
 namespace kernels {
 
+//! Most threads of a `node_rows` block (the launchers' `__launch_bounds__`).
+inline constexpr int verify_row_threads_max = 512;
+//! Most threads of a `sample_path` block: one block walks a request's tree with all it can have.
+inline constexpr int verify_walk_threads_max = 1024;
+
 //! The acceptance rule a verify launch applies.
 enum class verify_kind { greedy, typical, rejection, speculative };
 
@@ -558,9 +563,10 @@ inline verify_plan plan_verify(verify_kind kind, int batch, int num_nodes, int d
   p.batch = batch;
   p.num_nodes = num_nodes;
   p.vocab = vocab;
-  const int row_threads = std::clamp((vocab / 16 + warp_size - 1) / warp_size * warp_size, warp_size, 512);
-  // One block walks a request's whole tree: give it all the threads a block can have.
-  const int walk_threads = std::clamp((vocab / 16 + warp_size - 1) / warp_size * warp_size, warp_size, 1024);
+  const int row_threads =
+      std::clamp((vocab / 16 + warp_size - 1) / warp_size * warp_size, warp_size, verify_row_threads_max);
+  const int walk_threads =
+      std::clamp((vocab / 16 + warp_size - 1) / warp_size * warp_size, warp_size, verify_walk_threads_max);
   if (!sampling) {
     p.rows = {.grid_x = batch * num_nodes, .grid_y = 1, .threads = row_threads,
               .shared_bytes = block_merge_shared_bytes(1) + 64 * sizeof(double)};
