@@ -1,8 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Built whenever nvcc is available; exits 77 (ctest: skipped) on machines without a CUDA device.
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
-#include <medusa/cuda/common.cuh>
+#include "gpu_test.hpp"
 
 #include <cstdio>
 
@@ -26,11 +24,4 @@ TEST_CASE("a kernel runs and its result comes back") {
   for (int v : h) REQUIRE(v == 1);
 }
 
-int main(int argc, char** argv) {
-  if (medusa::cuda::device_count() == 0) {
-    std::puts("no CUDA device: GPU tests skipped");
-    return 77;
-  }
-  doctest::Context ctx(argc, argv);
-  return ctx.run();
-}
+int main(int argc, char** argv) { return medusa_test::gpu_test_main(argc, argv); }

@@ -12,8 +12,7 @@
 // max|gpu - cpu| / max|cpu| of about u/2 per layer (measured on an H100: 0.47·u for L = 1, 0.7·u
 // for L = 2). The tests allow 2·u·(L + 1) for L > 0 and 1e-5 for L = 0 (no rounding at all), plus
 // u for 16-bit logits; weights converted on upload add their own rounding (one more u·2).
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "gpu_test.hpp"
 #include <medusa/cuda/common.cuh>
 #include <medusa/cuda/heads.cuh>
 
@@ -33,24 +32,7 @@ using medusa::projection_kind;
 
 namespace {
 
-// Device memory for n elements of T, freed on scope exit.
-template <class T>
-struct device_array {
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit device_array(std::size_t count) : n(count) {
-    mc::check(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)), "cudaMalloc");
-  }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-  ~device_array() { (void)cudaFree(ptr); }
-  void upload(const std::vector<T>& v) { mc::check(cudaMemcpy(ptr, v.data(), n * sizeof(T), cudaMemcpyHostToDevice), "upload"); }
-  std::vector<T> download() const {
-    std::vector<T> v(n);
-    mc::check(cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
-    return v;
-  }
-};
+using medusa_test::device_array;
 
 struct cublas_handle {
   cublasHandle_t handle = nullptr;
@@ -158,8 +140,8 @@ void check_against_cpu(cublasHandle_t blas, std::size_t d, std::size_t V, std::s
   device_array<Logit> d_logits(M * K * V);
   device_array<unsigned char> ws(plan.workspace_bytes);
   d_hidden.upload(hidden);
-  mc::check(cudaMemset(d_logits.ptr, 0xff, M * K * V * sizeof(Logit)), "cudaMemset");  // NaN until written
-  mc::check(dev.run(plan, d_hidden.ptr, d_logits.ptr, ws.ptr, plan.workspace_bytes, blas, nullptr), "device_heads::run");
+  mc::check(cudaMemset(d_logits.get(), 0xff, M * K * V * sizeof(Logit)), "cudaMemset");  // NaN until written
+  mc::check(dev.run(plan, d_hidden.get(), d_logits.get(), ws.get(), plan.workspace_bytes, blas, nullptr), "device_heads::run");
   mc::check(cudaDeviceSynchronize(), "sync");
   const auto got = to_float(d_logits.download());
   const auto c = compare(got, ref, V);
@@ -237,10 +219,10 @@ TEST_CASE("head epilogue kernel on the device matches the host formula") {
       db.upload(b);
       dx.upload(x);
       mc::kernels::head_epilogue_params<medusa::bfloat16, float> p;
-      p.linear = dy.ptr + offset;
-      p.bias = db.ptr + offset;
-      p.residual = dx.ptr + offset;
-      p.out = dout.ptr + offset;
+      p.linear = dy.get() + offset;
+      p.bias = db.get() + offset;
+      p.residual = dx.get() + offset;
+      p.out = dout.get() + offset;
       p.rows = rows;
       p.hidden = hidden;
       p.ld_linear = p.ld_residual = p.ld_out = hidden;
@@ -279,14 +261,14 @@ TEST_CASE("device heads refuse bad arguments without launching") {
   device_array<unsigned char> ws(plan.workspace_bytes);
   cublas_handle blas;
   const auto invalid = [](mc::blas_status s) { return s.cuda == cudaErrorInvalidValue && s.cublas == CUBLAS_STATUS_SUCCESS; };
-  CHECK(invalid(dev.run(plan, nullptr, logits.ptr, ws.ptr, plan.workspace_bytes, blas.handle, nullptr)));
-  CHECK(invalid(dev.run(plan, hidden.ptr, static_cast<float*>(nullptr), ws.ptr, plan.workspace_bytes, blas.handle, nullptr)));
-  CHECK(invalid(dev.run(plan, hidden.ptr, logits.ptr, nullptr, plan.workspace_bytes, blas.handle, nullptr)));
-  CHECK(invalid(dev.run(plan, hidden.ptr, logits.ptr, ws.ptr, plan.workspace_bytes - 1, blas.handle, nullptr)));
-  CHECK(invalid(dev.run(plan, hidden.ptr, logits.ptr, ws.ptr, plan.workspace_bytes, nullptr, nullptr)));
+  CHECK(invalid(dev.run(plan, nullptr, logits.get(), ws.get(), plan.workspace_bytes, blas.handle, nullptr)));
+  CHECK(invalid(dev.run(plan, hidden.get(), static_cast<float*>(nullptr), ws.get(), plan.workspace_bytes, blas.handle, nullptr)));
+  CHECK(invalid(dev.run(plan, hidden.get(), logits.get(), nullptr, plan.workspace_bytes, blas.handle, nullptr)));
+  CHECK(invalid(dev.run(plan, hidden.get(), logits.get(), ws.get(), plan.workspace_bytes - 1, blas.handle, nullptr)));
+  CHECK(invalid(dev.run(plan, hidden.get(), logits.get(), ws.get(), plan.workspace_bytes, nullptr, nullptr)));
   heads_test::random_heads other(64, 100, 3, 1, projection_kind::per_head, medusa::weight_dtype::bf16, 4);
   const mc::device_heads<medusa::bfloat16> three(other.make<medusa::head_stack<>>());
-  CHECK(invalid(dev.run(three.plan(2), hidden.ptr, logits.ptr, ws.ptr, plan.workspace_bytes, blas.handle, nullptr)));
+  CHECK(invalid(dev.run(three.plan(2), hidden.get(), logits.get(), ws.get(), plan.workspace_bytes, blas.handle, nullptr)));
   mc::kernels::head_epilogue_params<medusa::bfloat16, float> p;  // all null
   p.rows = 1;
   p.hidden = 8;
@@ -312,7 +294,7 @@ TEST_CASE("device heads restore the handle's pointer mode and use the caller's s
   const cudaStream_t stream = owner.stream;
   cublas_handle blas;
   REQUIRE(cublasSetPointerMode(blas.handle, CUBLAS_POINTER_MODE_DEVICE) == CUBLAS_STATUS_SUCCESS);
-  mc::check(dev.run(plan, d_hidden.ptr, d_logits.ptr, ws.ptr, plan.workspace_bytes, blas.handle, stream), "run");
+  mc::check(dev.run(plan, d_hidden.get(), d_logits.get(), ws.get(), plan.workspace_bytes, blas.handle, stream), "run");
   mc::check(cudaStreamSynchronize(stream), "sync");
   cublasPointerMode_t mode{};
   REQUIRE(cublasGetPointerMode(blas.handle, &mode) == CUBLAS_STATUS_SUCCESS);
@@ -338,16 +320,16 @@ TEST_CASE("device heads run captured in a CUDA graph and replayed") {
   cublas_handle blas;
   // Stream first, then the workspace: cublasSetStream resets a workspace set before it.
   REQUIRE(cublasSetStream(blas.handle, stream) == CUBLAS_STATUS_SUCCESS);
-  REQUIRE(cublasSetWorkspace(blas.handle, blas_ws.ptr, blas_ws.n) == CUBLAS_STATUS_SUCCESS);
+  REQUIRE(cublasSetWorkspace(blas.handle, blas_ws.get(), blas_ws.size()) == CUBLAS_STATUS_SUCCESS);
 
   const auto first = random_hidden<medusa::bfloat16>(M * d, 22);
   d_hidden.upload(first);
-  mc::check(dev.run(plan, d_hidden.ptr, d_eager.ptr, ws.ptr, plan.workspace_bytes, blas.handle, stream), "eager run");
+  mc::check(dev.run(plan, d_hidden.get(), d_eager.get(), ws.get(), plan.workspace_bytes, blas.handle, stream), "eager run");
 
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   mc::check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  const auto captured = dev.run(plan, d_hidden.ptr, d_logits.ptr, ws.ptr, plan.workspace_bytes, blas.handle, stream);
+  const auto captured = dev.run(plan, d_hidden.get(), d_logits.get(), ws.get(), plan.workspace_bytes, blas.handle, stream);
   mc::check(cudaStreamEndCapture(stream, &graph), "end capture");
   mc::check(captured, "captured run");
   mc::check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
@@ -379,11 +361,4 @@ TEST_CASE("device heads run captured in a CUDA graph and replayed") {
   (void)cudaGraphDestroy(graph);
 }
 
-int main(int argc, char** argv) {
-  if (mc::device_count() == 0) {
-    std::puts("no CUDA device: GPU tests skipped");
-    return 77;
-  }
-  doctest::Context ctx(argc, argv);
-  return ctx.run();
-}
+int main(int argc, char** argv) { return medusa_test::gpu_test_main(argc, argv); }

@@ -3,9 +3,7 @@
 // batches of mixed lengths, NHD/HND contiguous and paged caches, f32/f16/bf16, every move width,
 // bad requests rejected alone, null pointers refused, and a launch captured in a CUDA graph and
 // replayed over new paths. Exits 77 (ctest: skipped) without a CUDA device.
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
-#include <medusa/cuda/common.cuh>
+#include "gpu_test.hpp"
 #include <medusa/cuda/kv_commit.cuh>
 #include <medusa/half.hpp>
 #include <medusa/kv_cache.hpp>
@@ -33,31 +31,7 @@ struct request_case {
   bool valid = true;      // false: the kernel must reject it (new length -1, nothing moved)
 };
 
-// Device memory for `count` elements of T, freed on scope exit.
-template <class T>
-class device_array {
- public:
-  explicit device_array(std::size_t count) : count_(count) {
-    mc::check(cudaMalloc(&data_, std::max<std::size_t>(count, 1) * sizeof(T)), "cudaMalloc");
-  }
-  explicit device_array(const std::vector<T>& host) : device_array(host.size()) { upload(host); }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-  ~device_array() { cudaFree(data_); }
-  T* get() const { return data_; }
-  void upload(const std::vector<T>& host) {
-    mc::check(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(count_);
-    mc::check(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost), "download");
-    return host;
-  }
-
- private:
-  T* data_ = nullptr;
-  std::size_t count_;
-};
+using medusa_test::device_array;
 
 // The batch arrays of the kernel, packed, on the host and on the device.
 struct device_batch {
@@ -385,11 +359,4 @@ TEST_CASE("a commit captured in a CUDA graph replays over new paths") {
   cudaStreamDestroy(stream);
 }
 
-int main(int argc, char** argv) {
-  if (mc::device_count() == 0) {
-    std::puts("no CUDA device: GPU tests skipped");
-    return 77;
-  }
-  doctest::Context ctx(argc, argv);
-  return ctx.run();
-}
+int main(int argc, char** argv) { return medusa_test::gpu_test_main(argc, argv); }

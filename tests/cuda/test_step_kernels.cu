@@ -2,8 +2,7 @@
 // The step kernels on a CUDA device against the CPU library: candidates (top-k + gather) and the
 // four verification policies, compile-time and run-time trees, batches, data errors, and a whole
 // step captured in a CUDA graph and replayed. Exits 77 (skipped) without a device.
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "gpu_test.hpp"
 #include <medusa/acceptance.hpp>
 #include <medusa/candidates.hpp>
 #include <medusa/cuda/common.cuh>
@@ -23,25 +22,7 @@ using preset_tag = medusa::presets::tag_of<"mc_sim_7b_63">;
 namespace {
 
 template <class T>
-struct device_buffer {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit device_buffer(std::size_t count) : n(count) {
-    mc::check(cudaMalloc(&p, std::max<std::size_t>(count, 1) * sizeof(T)), "cudaMalloc");
-  }
-  explicit device_buffer(const std::vector<T>& host) : device_buffer(host.size()) { upload(host); }
-  ~device_buffer() { cudaFree(p); }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
-  void upload(const std::vector<T>& host) {
-    mc::check(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(n);
-    mc::check(cudaMemcpy(host.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
-    return host;
-  }
-};
+using device_buffer = medusa_test::device_array<T>;
 
 template <class T>
 std::vector<T> converted(const std::vector<float>& f) {
@@ -81,8 +62,8 @@ void check_candidates(int batch, int vocab) {
   device_buffer<std::int32_t> d_roots(roots), d_lengths(lengths), d_tokens(static_cast<std::size_t>(batch * n)),
       d_positions(static_cast<std::size_t>(batch * n)), d_status(std::vector<std::int32_t>(static_cast<std::size_t>(batch), 0));
   device_buffer<unsigned char> ws(plan.workspace_bytes);
-  REQUIRE(kernels::candidates(plan, {}, d_logits.p, vocab, d_roots.p, d_lengths.p, d_tokens.p, d_positions.p, d_status.p,
-                              ws.p, ws.n, nullptr) == cudaSuccess);
+  REQUIRE(kernels::candidates(plan, {}, d_logits.get(), vocab, d_roots.get(), d_lengths.get(), d_tokens.get(), d_positions.get(), d_status.get(),
+                              ws.get(), ws.size(), nullptr) == cudaSuccess);
   const auto tokens = d_tokens.download();
   const auto positions = d_positions.download();
   const auto status = d_status.download();
@@ -160,14 +141,14 @@ mk::verify_args<T> args_for(const step_data&, const T* logits, const std::int32_
   a.eos_tokens = eos;
   a.temperature = temperature;
   a.path_stride = stride;
-  a.accept_length = o.accept_length.p;
-  a.next_node = o.next_node.p;
-  a.bonus = o.bonus.p;
-  a.eos = o.eos.p;
-  a.best_row = o.best_row.p;
-  a.path_nodes = o.nodes.p;
-  a.path_tokens = o.tokens.p;
-  a.status = o.status.p;
+  a.accept_length = o.accept_length.get();
+  a.next_node = o.next_node.get();
+  a.bonus = o.bonus.get();
+  a.eos = o.eos.get();
+  a.best_row = o.best_row.get();
+  a.path_nodes = o.nodes.get();
+  a.path_tokens = o.tokens.get();
+  a.status = o.status.get();
   return a;
 }
 
@@ -179,7 +160,7 @@ int check_verify(mk::verify_kind kind, const Policy& policy, float temperature, 
   const std::vector<int> packed = mc::pack_tree(cpu_tree);
   device_buffer<int> d_packed(packed);
   typename kernels::kernel_tree kt{};
-  if constexpr (std::is_same_v<Tag, mc::runtime_tree>) kt = mc::tree_arrays::over(cpu_tree, d_packed.p);
+  if constexpr (std::is_same_v<Tag, mc::runtime_tree>) kt = mc::tree_arrays::over(cpu_tree, d_packed.get());
   auto d = make_step(cpu_tree, batch, vocab, 41u);
   d.logits = rounded<T>(d.logits);
   const int stride = cpu_tree.depth() + 1;
@@ -190,9 +171,9 @@ int check_verify(mk::verify_kind kind, const Policy& policy, float temperature, 
   device_buffer<std::uint64_t> d_seeds(d.seeds), d_steps(d.steps);
   device_buffer<unsigned char> ws(plan.workspace_bytes);
   device_outputs o(batch, stride);
-  auto a = args_for<T>(d, d_logits.p, d_tokens.p, d_drafts.p, d_seeds.p, d_steps.p, d_eos.p, temperature, stride, o);
+  auto a = args_for<T>(d, d_logits.get(), d_tokens.get(), d_drafts.get(), d_seeds.get(), d_steps.get(), d_eos.get(), temperature, stride, o);
   a.row_stride = vocab;
-  REQUIRE(kernels::verify(plan, kt, a, ws.p, ws.n, nullptr) == cudaSuccess);
+  REQUIRE(kernels::verify(plan, kt, a, ws.get(), ws.size(), nullptr) == cudaSuccess);
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   const auto len = o.accept_length.download(), next = o.next_node.download(), bonus = o.bonus.download(),
              eos = o.eos.download(), row = o.best_row.download(), nodes = o.nodes.download(),
@@ -260,15 +241,15 @@ TEST_CASE("a NaN logit marks only its request on the device") {
   device_buffer<std::int32_t> d_tokens(d.tokens);
   device_buffer<unsigned char> ws(plan.workspace_bytes);
   device_outputs o(batch, stride);
-  auto a = args_for<float>(d, d_logits.p, d_tokens.p, nullptr, nullptr, nullptr, nullptr, 0.0f, stride, o);
+  auto a = args_for<float>(d, d_logits.get(), d_tokens.get(), nullptr, nullptr, nullptr, nullptr, 0.0f, stride, o);
   a.row_stride = vocab;
-  REQUIRE(kernels::verify(plan, {}, a, ws.p, ws.n, nullptr) == cudaSuccess);
+  REQUIRE(kernels::verify(plan, {}, a, ws.get(), ws.size(), nullptr) == cudaSuccess);
   const auto status = o.status.download();
   CHECK(status[0] == 0);
   CHECK(status[1] == 0);
   CHECK(status[2] == static_cast<std::int32_t>(mc::request_status::non_finite_logit));
   // Bad arguments launch nothing.
-  CHECK(kernels::verify(plan, {}, a, ws.p, ws.n - 1, nullptr) == cudaErrorInvalidValue);
+  CHECK(kernels::verify(plan, {}, a, ws.get(), ws.size() - 1, nullptr) == cudaErrorInvalidValue);
 }
 
 TEST_CASE("verify + candidates captured in a CUDA graph replay with the same results") {
@@ -283,23 +264,23 @@ TEST_CASE("verify + candidates captured in a CUDA graph replay with the same res
       d_positions(static_cast<std::size_t>(batch * n)), d_lengths(std::vector<std::int32_t>(batch, 5));
   device_buffer<unsigned char> ws(plan.workspace_bytes);
   device_outputs o(batch, stride);
-  auto a = args_for<medusa::bfloat16>(d, d_logits.p, d_tokens.p, nullptr, nullptr, nullptr, nullptr, 0.0f, stride, o);
+  auto a = args_for<medusa::bfloat16>(d, d_logits.get(), d_tokens.get(), nullptr, nullptr, nullptr, nullptr, 0.0f, stride, o);
   a.row_stride = vocab;
   cudaStream_t stream;
   REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
   // Eager run: the reference.
-  REQUIRE(kernels::verify(plan, {}, a, ws.p, ws.n, stream) == cudaSuccess);
-  REQUIRE(kernels::candidates(plan, {}, d_heads.p, vocab, o.bonus.p, d_lengths.p, d_next_tokens.p, d_positions.p,
-                              o.status.p, ws.p, ws.n, stream) == cudaSuccess);
+  REQUIRE(kernels::verify(plan, {}, a, ws.get(), ws.size(), stream) == cudaSuccess);
+  REQUIRE(kernels::candidates(plan, {}, d_heads.get(), vocab, o.bonus.get(), d_lengths.get(), d_next_tokens.get(), d_positions.get(),
+                              o.status.get(), ws.get(), ws.size(), stream) == cudaSuccess);
   REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
   const auto eager_tokens = d_next_tokens.download();
   const auto eager_len = o.accept_length.download();
-  REQUIRE(cudaMemset(d_next_tokens.p, 0, d_next_tokens.n * sizeof(std::int32_t)) == cudaSuccess);
+  REQUIRE(cudaMemset(d_next_tokens.get(), 0, d_next_tokens.size() * sizeof(std::int32_t)) == cudaSuccess);
   cudaGraph_t graph;
   REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
-  REQUIRE(kernels::verify(plan, {}, a, ws.p, ws.n, stream) == cudaSuccess);
-  REQUIRE(kernels::candidates(plan, {}, d_heads.p, vocab, o.bonus.p, d_lengths.p, d_next_tokens.p, d_positions.p,
-                              o.status.p, ws.p, ws.n, stream) == cudaSuccess);
+  REQUIRE(kernels::verify(plan, {}, a, ws.get(), ws.size(), stream) == cudaSuccess);
+  REQUIRE(kernels::candidates(plan, {}, d_heads.get(), vocab, o.bonus.get(), d_lengths.get(), d_next_tokens.get(), d_positions.get(),
+                              o.status.get(), ws.get(), ws.size(), stream) == cudaSuccess);
   REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
   cudaGraphExec_t exec;
   REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
@@ -312,11 +293,4 @@ TEST_CASE("verify + candidates captured in a CUDA graph replay with the same res
   cudaStreamDestroy(stream);
 }
 
-int main(int argc, char** argv) {
-  if (mc::device_count() == 0) {
-    std::puts("no CUDA device: GPU tests skipped");
-    return 77;
-  }
-  doctest::Context ctx(argc, argv);
-  return ctx.run();
-}
+int main(int argc, char** argv) { return medusa_test::gpu_test_main(argc, argv); }
