@@ -13,7 +13,9 @@
 //!
 //! Logits are row-major `[num_nodes][vocab]` floats, row u = the model's output after node u.
 //! Node-test policies read only the rows of nodes whose whole ancestry passed (and the final
-//! node's row for the bonus); only rows that are read are checked for NaN/Inf.
+//! node's row for the bonus); only rows that are read are checked. -Inf is a legal logit: a masked
+//! token, which every policy treats as probability 0 (never accepted, never drawn); NaN, +Inf
+//! and rows with every token masked are errors.
 //!
 //! @code
 //! auto t = medusa::tree::preset("mc_sim_7b_63");
@@ -637,8 +639,9 @@ verify_result verify_sampling(const Tree& t, const verify_request& req, const Po
 
 //! Verifies one request: runs the policy over the tree and returns the accepted path, the tokens
 //! to commit and the bonus token.
-//! @throws acceptance_error on shape/vocab mismatches, token ids outside [0, vocab), NaN/Inf in
-//!         a row that is read (node() names it), bad policy parameters or draft rows.
+//! @throws acceptance_error on shape/vocab mismatches, token ids outside [0, vocab), NaN or +Inf
+//!         (or every token masked) in a row that is read (node() names it), bad policy parameters
+//!         or draft rows.
 template <tree_like Tree, acceptance_policy Policy>
 verify_result verify(const Tree& t, const verify_request& req, const Policy& policy,
                      acceptance_workspace& ws) {
@@ -692,7 +695,7 @@ void verify_batch(const Tree& t, std::span<const verify_request> requests, const
 //! Draws one token from the warped distribution of a logit row (a sampled root: the rejection
 //! mode's first root after prefill). Uses draw 0 of Philox(`seed`, `step`): give the
 //! prefill root a step number that no verify call of the same request uses.
-//! @throws acceptance_error on an empty or non-finite row or bad warp parameters.
+//! @throws acceptance_error on an empty row, NaN/+Inf, every token masked, or bad warp parameters.
 inline std::int32_t sample_token(std::span<const float> z, const sampling_warp& warp,
                                  std::uint64_t seed, std::uint64_t step,
                                  acceptance_workspace& ws) {

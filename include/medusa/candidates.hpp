@@ -34,16 +34,22 @@ MEDUSA_NAMESPACE_BEGIN
 
 namespace detail {
 
+// A logit row must hold no NaN and no +Inf; -Inf marks a masked token (banned words, grammar
+// constraints, top-k masks), but not every token may be masked.
 inline void check_row_finite(std::span<const float> row, int node, const char* what) {
-  const std::ptrdiff_t bad = first_non_finite(row.data(), row.size());
-  if (bad >= 0) {
-    const float v = row[static_cast<std::size_t>(bad)];
+  const logit_row_scan scan = scan_logit_row(row.data(), row.size());
+  if (scan.first_invalid >= 0) {
+    const float v = row[static_cast<std::size_t>(scan.first_invalid)];
     throw acceptance_error(acceptance_errc::non_finite_logit,
                            std::string(what) + " " + std::to_string(node) + ": logit " +
-                               std::to_string(bad) + " is " +
-                               (v != v ? "NaN" : (v > 0 ? "+Inf" : "-Inf")),
+                               std::to_string(scan.first_invalid) + " is " + (v != v ? "NaN" : "+Inf"),
                            node);
   }
+  if (!scan.any_allowed && !row.empty())
+    throw acceptance_error(acceptance_errc::non_finite_logit,
+                           std::string(what) + " " + std::to_string(node) +
+                               ": every logit is -Inf (all tokens masked)",
+                           node);
 }
 
 inline void check_vocab(int vocab) {
@@ -56,8 +62,9 @@ inline void check_vocab(int vocab) {
 
 //! Writes the `ids.size()` best token ids of `logits` to `ids`, best first, equal logits by
 //! ascending id. Raw logits: no temperature, no filter.
+//! Masked tokens (-Inf) rank last.
 //! @throws acceptance_error `size_mismatch` if `ids` is empty or longer than the row,
-//!         `non_finite_logit` (node() = -1) on NaN or ±Inf.
+//!         `non_finite_logit` (node() = -1) on NaN, +Inf, or a row with every token masked.
 inline void top_k(std::span<const float> logits, std::span<std::int32_t> ids) {
   if (ids.empty() || ids.size() > logits.size())
     throw acceptance_error(acceptance_errc::size_mismatch,
@@ -68,7 +75,8 @@ inline void top_k(std::span<const float> logits, std::span<std::int32_t> ids) {
 }
 
 //! The id of the largest logit, lowest id on ties (the greedy root).
-//! @throws acceptance_error `vocab_mismatch` on an empty row, `non_finite_logit` on NaN or ±Inf.
+//! @throws acceptance_error `vocab_mismatch` on an empty row, `non_finite_logit` on NaN, +Inf, or
+//!         every token masked (-Inf).
 inline std::int32_t argmax(std::span<const float> logits) {
   if (logits.empty())
     throw acceptance_error(acceptance_errc::vocab_mismatch, "argmax of an empty logit row");

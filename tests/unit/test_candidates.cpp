@@ -60,7 +60,7 @@ TEST_CASE("top_k on ascending and descending rows (worst cases of the insertion 
   CHECK(ids == reference_top_k(down, 10));
 }
 
-TEST_CASE("top_k and argmax reject non-finite rows and bad k") {
+TEST_CASE("top_k and argmax reject NaN, +Inf, all-masked rows and bad k; -Inf is a masked token") {
   std::vector<float> x(40, 1.0f);
   std::vector<std::int32_t> ids(3);
   x[33] = std::numeric_limits<float>::quiet_NaN();
@@ -80,8 +80,12 @@ TEST_CASE("top_k and argmax reject non-finite rows and bad k") {
   x[5] = 3.0f;
   x[9] = 3.0f;
   CHECK(medusa::argmax(x) == 5);
-  x[2] = -std::numeric_limits<float>::infinity();
-  CHECK_THROWS_AS(medusa::argmax(x), medusa::acceptance_error);
+  x[2] = -std::numeric_limits<float>::infinity();  // a masked token is legal
+  CHECK(medusa::argmax(x) == 5);
+  CHECK_NOTHROW(medusa::top_k(x, ids));
+  CHECK(std::find(ids.begin(), ids.end(), 2) == ids.end());
+  std::fill(x.begin(), x.end(), -std::numeric_limits<float>::infinity());
+  CHECK_THROWS_WITH_AS(medusa::argmax(x), doctest::Contains("all tokens masked"), medusa::acceptance_error);
   CHECK_THROWS_AS(medusa::argmax(std::span<const float>{}), medusa::acceptance_error);
 }
 

@@ -9,6 +9,8 @@
 #include <medusa/cuda/kernels/tree_arrays.hpp>
 #include <medusa/tree.hpp>
 
+#include <algorithm>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -138,5 +140,24 @@ TEST_CASE("candidate gather equals generate_candidates for every preset, batched
         CHECK(positions[static_cast<std::size_t>(b * n + u)] == lengths[static_cast<std::size_t>(b)] + t.node_depth(u));
       }
     }
+  }
+}
+
+TEST_CASE("masked logits rank last; a row with every token masked marks its request") {
+  auto logits = random_logits<float>(4 * 3000, 8u);
+  for (std::size_t i = 1; i < logits.size(); i += 2) logits[i] = -std::numeric_limits<float>::infinity();
+  for (const int target : {1, 264}) {  // one split and several
+    const auto ids = emulated_top_k(logits, 4, 3000, 16, target);
+    for (int r = 0; r < 4; ++r) {
+      std::vector<std::int32_t> expect(16);
+      medusa::top_k(std::span<const float>(logits).subspan(static_cast<std::size_t>(r * 3000), 3000), expect);
+      for (int j = 0; j < 16; ++j) CHECK(ids[static_cast<std::size_t>(r * 16 + j)] == expect[static_cast<std::size_t>(j)]);
+    }
+  }
+  std::fill(logits.begin() + 3000, logits.begin() + 6000, -std::numeric_limits<float>::infinity());
+  for (const int target : {1, 264}) {
+    std::vector<std::int32_t> status(4, 0);
+    (void)emulated_top_k(logits, 4, 3000, 4, target, &status, 1);
+    CHECK(status == std::vector<std::int32_t>{0, static_cast<std::int32_t>(mc::request_status::non_finite_logit), 0, 0});
   }
 }

@@ -12,6 +12,8 @@
 #include <medusa/tree/presets.hpp>
 
 #include <cmath>
+#include <algorithm>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -32,7 +34,8 @@ struct batch_data {
 // Random rows; each node's token is its parent row's argmax with probability `hit`, else drawn
 // from the node's draft row (a softmax of random logits), so every policy accepts some paths.
 template <class Tree>
-batch_data make_batch(const Tree& t, int batch, int vocab, std::uint32_t seed, double hit = 0.75) {
+batch_data make_batch(const Tree& t, int batch, int vocab, std::uint32_t seed, double hit = 0.75,
+                      bool mask_odd = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 2.0f);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
@@ -44,6 +47,8 @@ batch_data make_batch(const Tree& t, int batch, int vocab, std::uint32_t seed, d
   d.logits.resize(cells);
   d.drafts.resize(cells);
   for (auto& x : d.logits) x = normal(rng);
+  if (mask_odd)  // every odd token masked (-Inf) in every row
+    for (std::size_t i = 1; i < d.logits.size(); i += 2) d.logits[i] = -std::numeric_limits<float>::infinity();
   for (std::size_t r = 0; r < cells / static_cast<std::size_t>(vocab); ++r) {
     double sum = 0.0;
     float* q = d.drafts.data() + r * static_cast<std::size_t>(vocab);
@@ -257,4 +262,27 @@ TEST_CASE("verify plans refuse what the kernels do not implement") {
   CHECK_THROWS_WITH_AS(mk::plan_verify(mk::verify_kind::rejection, 1, 10, 2, 100, 0.7f, 40),
                        doctest::Contains("temperature only"), mc::launch_error);
   CHECK_THROWS_AS(mk::plan_verify(mk::verify_kind::typical, 1, 10, 2, 100, -1.0f), mc::launch_error);
+}
+
+TEST_CASE("masked logits (-Inf on half the tokens) verify as on the CPU for every policy") {
+  const auto t = medusa::tree::preset("mc_sim_7b_63");
+  const std::vector<int> packed = mc::pack_tree(t);
+  const auto view = mc::tree_arrays::over(t, packed.data());
+  int accepted = 0;
+  for (std::uint32_t seed = 1; seed <= 3; ++seed) {
+    auto d = make_batch(t, 3, 96, seed, 0.85, /*mask_odd=*/true);
+    d.tokens[5] |= 1;  // a masked draft token
+    accepted += compare<mk::verify_kind::greedy, float>(t, view, d, medusa::greedy_policy{}, 0.0f);
+    compare<mk::verify_kind::greedy, medusa::bfloat16>(t, view, d, medusa::greedy_policy{}, 0.0f);
+    compare<mk::verify_kind::typical, float>(t, view, d, medusa::typical_policy{.temperature = 0.7f}, 0.7f);
+    compare<mk::verify_kind::rejection, float>(t, view, d, medusa::rejection_policy{{.temperature = 0.9f}}, 0.9f);
+    compare<mk::verify_kind::speculative, float>(t, view, d, medusa::speculative_policy{{.temperature = 0.9f}}, 0.9f);
+  }
+  CHECK(accepted > 5);
+  // A read row with every token masked is a data error of its request only.
+  auto d = make_batch(t, 2, 64, 4u, 0.85, true);
+  std::fill(d.logits.begin(), d.logits.begin() + 64, -std::numeric_limits<float>::infinity());
+  const outputs o = run_emulated<mk::verify_kind::greedy, float>(view, d, 0.0f);
+  CHECK(o.status[0] == static_cast<std::int32_t>(mc::request_status::non_finite_logit));
+  CHECK(o.status[1] == 0);
 }

@@ -17,7 +17,7 @@ enum class acceptance_errc {
   size_mismatch,       //!< a span has the wrong length for the tree / vocab / head count
   vocab_mismatch,      //!< vocab size is not positive or disagrees with the data given
   token_out_of_range,  //!< a token id outside [0, vocab)
-  non_finite_logit,    //!< NaN or +/-Inf in a logit row that the call reads
+  non_finite_logit,    //!< NaN or +Inf in a logit row that the call reads, or every token masked (-Inf)
   bad_parameter,       //!< a policy parameter outside its domain (negative temperature, ...)
   bad_draft,           //!< a draft distribution that is negative, non-finite or zero at its token
   too_deep,            //!< the tree is deeper than a verify result can hold

@@ -80,6 +80,12 @@ MEDUSA_KERNEL_FN bool is_finite(float x) noexcept {
   return (detail::float_to_bits(x) & 0x7f800000u) != 0x7f800000u;
 }
 
+//! False for the logits a row may not hold, NaN and +Inf; -Inf is a masked token (as on the CPU).
+MEDUSA_KERNEL_FN bool is_valid_logit(float x) noexcept {
+  const std::uint32_t u = detail::float_to_bits(x);
+  return (u & 0x7fffffffu) <= 0x7f800000u && u != 0x7f800000u;
+}
+
 //! float → element, round to nearest even (hardware conversion on the device).
 template <class T>
 MEDUSA_KERNEL_FN T store_float(float x) noexcept {

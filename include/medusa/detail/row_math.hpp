@@ -65,18 +65,37 @@ inline float from_ordered_key(std::int32_t k) noexcept {
   return std::bit_cast<float>(k ^ ((k >> 31) & 0x7fffffff));
 }
 
-//! Index of the first NaN or ±Inf in x[0, n), or -1.
-inline std::ptrdiff_t first_non_finite(const float* x, std::size_t n) noexcept {
+//! True for the logits a row may not hold: NaN and +Inf. -Inf is legal: a masked (banned) token.
+inline bool invalid_logit_bits(float v) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(v);
+  return (u & 0x7fffffffu) > 0x7f800000u || u == 0x7f800000u;
+}
+
+//! What `check_logit_row` needs from one pass over a row.
+struct logit_row_scan {
+  std::ptrdiff_t first_invalid;  //!< index of the first NaN or +Inf, or -1
+  bool any_allowed;              //!< some logit is above -Inf (not every token is masked)
+};
+
+//! Finds the first NaN or +Inf of x[0, n) and whether any logit is above -Inf.
+inline logit_row_scan scan_logit_row(const float* x, std::size_t n) noexcept {
+  constexpr float masked = -std::numeric_limits<float>::infinity();
   const std::size_t nb = n - n % row_block;
   std::size_t i = 0;
+  unsigned allowed = 0;
   for (; i < nb; i += row_block) {
     unsigned bad = 0;
-    for (std::size_t j = 0; j < row_block; ++j) bad |= non_finite_bits(x[i + j]) ? 1u : 0u;
+    for (std::size_t j = 0; j < row_block; ++j) {
+      bad |= invalid_logit_bits(x[i + j]) ? 1u : 0u;
+      allowed |= x[i + j] != masked ? 1u : 0u;
+    }
     if (bad) break;
   }
-  for (; i < n; ++i)
-    if (non_finite_bits(x[i])) return static_cast<std::ptrdiff_t>(i);
-  return -1;
+  for (; i < n; ++i) {
+    if (invalid_logit_bits(x[i])) return {static_cast<std::ptrdiff_t>(i), allowed != 0};
+    allowed |= x[i] != masked ? 1u : 0u;
+  }
+  return {-1, allowed != 0};
 }
 
 //! Largest value of x[0, n), n > 0, and whether the whole row is finite (NaN or ±Inf → false).
@@ -95,7 +114,8 @@ inline row_max_result row_max(const float* x, std::size_t n) noexcept {
   return {from_ordered_key(m), bad == 0};
 }
 
-//! Index of the first occurrence of the largest value (ties → lowest index). Finite rows only.
+//! Index of the first occurrence of the largest value (ties → lowest index). Rows without NaN or
+//! +Inf and with at least one logit above -Inf (masked tokens never win).
 inline std::int32_t argmax_finite(const float* x, std::size_t n) noexcept {
   const float m = row_max(x, n).max;
   const std::size_t nb = n - n % row_block;

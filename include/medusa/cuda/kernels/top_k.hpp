@@ -9,7 +9,8 @@
 //! K best in registers while it streams its slice, then the block merges the per-thread lists
 //! with warp butterflies (bitonic merges of two sorted lists, all indices static so the lists stay
 //! in registers). Stage 2 merges the `splits` lists of a row. With one split, stage 1 writes the
-//! result and stage 2 is skipped. A NaN or ±Inf in a row sets the request's `request_status`.
+//! result and stage 2 is skipped. -Inf is a masked token and ranks last; a NaN or +Inf in a row, or
+//! a row with every token masked, sets the request's `request_status`.
 #pragma once
 
 #include <medusa/config.hpp>
@@ -187,7 +188,7 @@ MEDUSA_KERNEL_FN void top_k_scan(Ctx& ctx, const top_k_args<T>& a) {
   l.clear();
   bool finite = true;
   for_each_element(ctx, x, begin, end, [&](float xi, int i) {
-    finite = finite && is_finite(xi);
+    finite = finite && is_valid_logit(xi);
     l.insert(xi, i);
   });
   if (!finite && a.status != nullptr)
@@ -196,6 +197,8 @@ MEDUSA_KERNEL_FN void top_k_scan(Ctx& ctx, const top_k_args<T>& a) {
   if (ctx.thread() == 0) {
     // Static indices keep the list in registers.
     if (a.splits == 1) {
+      if (l.v[0] == -__builtin_inff() && a.status != nullptr)  // every token of the row masked
+        a.status[row / a.rows_per_status] = static_cast<std::int32_t>(request_status::non_finite_logit);
       write_list(l, a.k, a.out_ids + static_cast<std::int64_t>(row) * a.k,
                  a.out_values != nullptr ? a.out_values + static_cast<std::int64_t>(row) * a.k : nullptr);
     } else {
@@ -225,9 +228,12 @@ MEDUSA_KERNEL_FN void top_k_merge_splits(Ctx& ctx, const top_k_args<T>& a) {
     l.merge(o);
   }
   block_merge(ctx, l);
-  if (ctx.thread() == 0)
+  if (ctx.thread() == 0) {
+    if (l.v[0] == -__builtin_inff() && a.status != nullptr)  // every token of the row masked
+      a.status[row / a.rows_per_status] = static_cast<std::int32_t>(request_status::non_finite_logit);
     write_list(l, a.k, a.out_ids + static_cast<std::int64_t>(row) * a.k,
                a.out_values != nullptr ? a.out_values + static_cast<std::int64_t>(row) * a.k : nullptr);
+  }
 }
 
 //! Launch shapes and workspace of a top-k over `rows` rows.

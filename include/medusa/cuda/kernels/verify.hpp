@@ -21,7 +21,8 @@
 //! differs only when q(token) is that close to τ. Sampling sums the residual in double in a
 //! parallel order: the accepted path and tokens equal the CPU's for the same seeds unless a
 //! uniform falls within rounding distance (≈1e-15 relative) of a decision boundary.
-//! Data errors (NaN/Inf in a row that is read, token ids outside the vocabulary, bad draft rows)
+//! -Inf is a masked token with probability 0, as on the CPU. Data errors (NaN or +Inf in a row
+//! that is read, a row with every token masked, token ids outside the vocabulary, bad draft rows)
 //! set the request's `request_status`; that request's result is accept length 0, bonus -1.
 #pragma once
 
@@ -56,7 +57,7 @@ struct node_row_stats {
   double tau = 0.0;      //!< min(threshold, alpha·exp(−H)) (typical, T > 0)
   float max = 0.0f;      //!< the row max
   std::int32_t argmax = 0;  //!< id of the max, lowest on ties
-  std::int32_t finite = 1;  //!< 0 when the row holds NaN or ±Inf
+  std::int32_t finite = 1;  //!< 0 when the row holds NaN or +Inf, or every token is masked
   std::int32_t unused = 0;
 };
 
@@ -145,7 +146,7 @@ MEDUSA_KERNEL_FN void row_argmax(Ctx& ctx, const T* x, int vocab, float& max, in
   int best_id = INT_MAX;
   bool ok = true;
   for_each_element(ctx, x, 0, vocab, [&](float xi, int i) {
-    ok = ok && is_finite(xi);
+    ok = ok && is_valid_logit(xi);
     if (ranks_before(xi, i, best, best_id)) {
       best = xi;
       best_id = i;
@@ -154,7 +155,8 @@ MEDUSA_KERNEL_FN void row_argmax(Ctx& ctx, const T* x, int vocab, float& max, in
   block_argmax(ctx, best, best_id);
   max = best;
   argmax = best_id;
-  finite = !block_any(ctx, !ok, static_cast<int*>(ctx.shared()));
+  // Valid: no NaN or +Inf, and some token not masked (the max above -Inf).
+  finite = !block_any(ctx, !ok, static_cast<int*>(ctx.shared())) && best != -__builtin_inff();
 }
 
 // Result of a request whose data was bad.
