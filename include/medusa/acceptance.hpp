@@ -115,6 +115,10 @@ struct greedy_policy {
 //! posterior_alpha·exp(−H))`; a child passes iff `q(token) > τ` (strict). Rows of equal length are
 //! ranked by the summed `ln q` of their accepted tokens. `temperature == 0` is greedy (as in the
 //! reference). The bonus is the argmax (the reference's default "fast" root).
+//!
+//! **The default temperature is 0, which is greedy acceptance**: `typical_policy{}` accepts
+//! exactly what `greedy_policy{}` accepts. Set `temperature` (the reference's 0.7, say) for
+//! typical acceptance; `dispatch_policy("typical", ...)` and the tools use 0.7 when none is given.
 struct typical_policy {
   static constexpr std::string_view name = "typical";  //!< name in `dispatch_policy` and the tools
   float temperature = 0.0f;           //!< T; 0 = greedy (the default)

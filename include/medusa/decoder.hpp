@@ -94,8 +94,10 @@ template <class Stack, class Gemm>
 class head_stack_runner {
  public:
   //! Neither `stack` nor `gemm` is owned; both must outlive the runner.
-  head_stack_runner(const Stack* stack, Gemm* gemm)
-      : stack_(stack), gemm_(gemm), workspace_(stack->workspace_size(1)) {}
+  head_stack_runner(const Stack& stack, Gemm& gemm)
+      : stack_(&stack), gemm_(&gemm), workspace_(stack.workspace_size(1)) {}
+  //! The same from pointers (neither may be null).
+  head_stack_runner(const Stack* stack, Gemm* gemm) : head_stack_runner(*stack, *gemm) {}
 
   //! Number of heads of the stack.
   [[nodiscard]] int num_heads() const { return static_cast<int>(stack_->num_heads()); }

@@ -117,16 +117,9 @@ loaded_model load(const std::filesystem::path& model_path, const std::filesystem
 
 medusa::head_weights random_heads(const model& m, int heads, std::uint64_t seed) {
   if (heads < 1) throw engine_error(engine_errc::bad_option, "random_heads: need at least one head, got " + std::to_string(heads));
-  const auto d = static_cast<std::size_t>(m.config().dim), v = static_cast<std::size_t>(m.config().vocab_size);
-  auto w = medusa::head_weights::initialize(d, v, static_cast<std::size_t>(heads), 1, medusa::projection_kind::per_head,
-                                            medusa::weight_dtype::f32, medusa::weight_ptr::of(m.classifier()), seed);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(d)));
-  for (std::size_t h = 0; h < static_cast<std::size_t>(heads); ++h) {
-    auto* f = reinterpret_cast<float*>(w.resblock_weight_bytes(h, 0).data());
-    for (std::size_t i = 0; i < d * d; ++i) f[i] = normal(rng);
-  }
-  return w;
+  return medusa::head_weights::random(static_cast<std::size_t>(m.config().dim),
+                                      static_cast<std::size_t>(m.config().vocab_size), static_cast<std::size_t>(heads), 1,
+                                      medusa::weight_dtype::f32, medusa::weight_ptr::of(m.classifier()), seed);
 }
 
 }  // namespace medusa_llama

@@ -45,6 +45,7 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <random>
 #include <new>
 #include <optional>
 #include <span>
@@ -274,6 +275,26 @@ class head_weights {
       for (std::size_t h = 0; h < heads; ++h)
         detail::convert_weights(static_cast<const std::byte*>(lm_head.data), lm_head.dtype, w.projection_bytes(h).data(), dtype, vocab * hidden);
     return w;
+  }
+
+  //! Seeded random heads for tests, demos and benchmarks: `initialize` (projections = copies of
+  //! `lm_head`, seeded biases), then every ResBlock weight drawn from N(0, 1/d), so that each head
+  //! perturbs the hidden state and proposes its own tokens. Same arguments, same weights.
+  //! @code
+  //! auto w = medusa::head_weights::random(d, vocab, 4, 1, medusa::weight_dtype::f32,
+  //!                                       medusa::weight_ptr::of(lm_head), /*seed=*/17);
+  //! @endcode
+  static head_weights random(std::size_t hidden, std::size_t vocab, std::size_t heads, std::size_t layers,
+                             weight_dtype dtype, weight_ptr lm_head, std::uint64_t seed) {
+    head_weights w = initialize(hidden, vocab, heads, layers, projection_kind::per_head, weight_dtype::f32, lm_head, seed);
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(hidden)));
+    for (std::size_t l = 0; l < layers; ++l)
+      for (std::size_t h = 0; h < heads; ++h) {
+        auto* f = reinterpret_cast<float*>(w.resblock_weight_bytes(h, l).data());
+        for (std::size_t i = 0; i < hidden * hidden; ++i) f[i] = normal(rng);
+      }
+    return dtype == weight_dtype::f32 ? w : w.to_dtype(dtype);
   }
 
  private:
