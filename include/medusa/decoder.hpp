@@ -69,16 +69,16 @@ struct forward_batch {
 //!
 //! - `forward(batch)` runs `batch.tokens` at `batch.positions`, writes their K/V at slots
 //!   `[L, L+T)` of `kv_cache()`, and fills logits and hidden states of the requested rows.
-//! - `kv_cache()` returns a writable `kv_cache_view` over all layers (the decoder commits accepted
-//!   paths in it; any layout whose mapping satisfies `kv_layout_mapping`); its `capacity()` bounds
-//!   the context.
+//! - `kv_cache()` returns a writable `kv_cache_view` over all layers, or a range of writable views
+//!   (one per layer, `kv_layer_views`); the decoder commits accepted paths in it (any layout whose
+//!   mapping satisfies `kv_layout_mapping`); its capacity bounds the context.
 //! - `vocab_size()`, `hidden_size()`.
 template <class M>
 concept decoder_model = requires(M& m, const forward_batch& batch) {
   { m.vocab_size() } -> std::convertible_to<int>;
   { m.hidden_size() } -> std::convertible_to<int>;
   m.forward(batch);
-  { m.kv_cache() } -> writable_kv_view;
+  { m.kv_cache() } -> writable_kv_cache;
 };
 
 //! Draft heads as the decoder drives them: `forward(hidden [d], logits [num_heads][vocab])`.
@@ -243,7 +243,7 @@ class decode_session {
     h_.resize(static_cast<std::size_t>(hidden_));
   }
 
-  [[nodiscard]] int capacity() const { return model_.kv_cache().capacity(); }
+  [[nodiscard]] int capacity() const { return kv_capacity(model_.kv_cache()); }
   [[nodiscard]] int length() const noexcept { return length_; }
   [[nodiscard]] int vocab() const noexcept { return vocab_; }
   [[nodiscard]] std::span<const float> logits() const noexcept { return z_; }

@@ -37,11 +37,13 @@
 #include <medusa/half.hpp>
 #include <medusa/tree/concepts.hpp>
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <ranges>
 #include <span>
 #include <string>
 #include <string_view>
@@ -404,6 +406,18 @@ concept kv_view = requires {
 template <class V>
 concept writable_kv_view = kv_view<V> && !std::is_const_v<typename V::element_type>;
 
+//! One writable view per layer, as engines that allocate each layer separately keep them
+//! (llama.cpp, vLLM): a sized range whose elements are `writable_kv_view`s, typically one layer
+//! each. The commit and the append checks accept it wherever they accept one view; the layers
+//! commit together (every view is validated before any row moves).
+template <class R>
+concept kv_layer_views = std::ranges::sized_range<const R> && std::ranges::forward_range<const R> &&
+                         writable_kv_view<std::ranges::range_value_t<const R>>;
+
+//! What a model may hand the decoder as its cache: one view over all layers, or one per layer.
+template <class C>
+concept writable_kv_cache = writable_kv_view<C> || kv_layer_views<C>;
+
 //! A contiguous view over caller buffers holding `[layers][capacity][heads][dim]` (NHD) or
 //! `[layers][heads][capacity][dim]` (HND). Throws `kv_cache_error` if a buffer is too small.
 template <class T>
@@ -639,6 +653,43 @@ int kv_commit(const View& kv, int committed_length, const Tree& tree, std::span<
   detail::kv_validate_tree_path(tree, path, -1);
   detail::kv_commit_unchecked(kv, committed_length, path);
   return committed_length + static_cast<int>(path.size());
+}
+
+//! @overload Per-layer views: every view is validated, then each commits; returns `L + A + 1`.
+//! @throws kv_cache_error `size_mismatch` on an empty range, or the first view's error.
+template <kv_layer_views Layers>
+int kv_commit(const Layers& layers, int committed_length, int num_tree_nodes, std::span<const int> path) {
+  if (std::ranges::empty(layers)) detail::kv_fail(kv_errc::size_mismatch, "per-layer commit: no views");
+  for (const auto& kv : layers) detail::kv_validate_commit(kv, committed_length, num_tree_nodes, path, -1);
+  for (const auto& kv : layers) detail::kv_commit_unchecked(kv, committed_length, path);
+  return committed_length + static_cast<int>(path.size());
+}
+
+//! @overload Per-layer views, and `path` must be a root path of `tree`.
+template <kv_layer_views Layers, tree_topology Tree>
+int kv_commit(const Layers& layers, int committed_length, const Tree& tree, std::span<const int> path) {
+  detail::kv_validate_tree_path(tree, path, -1);
+  return kv_commit(layers, committed_length, static_cast<int>(tree.num_nodes()), path);
+}
+
+//! @overload Per-layer views: every view must take the append.
+template <kv_layer_views Layers>
+void kv_check_append(const Layers& layers, int committed_length, int num_tree_nodes) {
+  if (std::ranges::empty(layers)) detail::kv_fail(kv_errc::size_mismatch, "per-layer append: no views");
+  for (const auto& kv : layers) kv_check_append(kv, committed_length, num_tree_nodes);
+}
+
+//! Slots a cache source can address: a view's `capacity()`, or the smallest of per-layer views'.
+template <writable_kv_cache Cache>
+[[nodiscard]] int kv_capacity(const Cache& cache) {
+  if constexpr (writable_kv_view<Cache>) {
+    return cache.capacity();
+  } else {
+    if (std::ranges::empty(cache)) detail::kv_fail(kv_errc::size_mismatch, "per-layer cache: no views");
+    int capacity = std::numeric_limits<int>::max();
+    for (const auto& kv : cache) capacity = std::min(capacity, kv.capacity());
+    return capacity;
+  }
 }
 
 //! One request of a batched commit.
