@@ -355,7 +355,7 @@ inline std::span<const float> node_row(const verify_request& req, int u) {
 
 inline std::span<const float> checked_row(const verify_request& req, int u) {
   const auto row = node_row(req, u);
-  check_row_finite(row, u, "node");
+  check_logit_row(row, u, "node");
   return row;
 }
 
@@ -705,7 +705,7 @@ inline std::int32_t sample_token(std::span<const float> z, const sampling_warp& 
                                  acceptance_workspace& ws) {
   warp.validate();
   detail::check_vocab(static_cast<int>(z.size()));
-  detail::check_row_finite(z, -1, "sampled row");
+  detail::check_logit_row(z, -1, "sampled row");
   ws.reserve(0, static_cast<int>(z.size()));
   using detail::workspace_access;
   const double m = detail::warp_into(z, warp, workspace_access::residual(ws), workspace_access::ids(ws),

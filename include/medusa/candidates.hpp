@@ -36,7 +36,7 @@ namespace detail {
 
 // A logit row must hold no NaN and no +Inf; -Inf marks a masked token (banned words, grammar
 // constraints, top-k masks), but not every token may be masked.
-inline void check_row_finite(std::span<const float> row, int node, const char* what) {
+inline void check_logit_row(std::span<const float> row, int node, const char* what) {
   const logit_row_scan scan = scan_logit_row(row.data(), row.size());
   if (scan.first_invalid >= 0) {
     const float v = row[static_cast<std::size_t>(scan.first_invalid)];
@@ -70,7 +70,7 @@ inline void top_k(std::span<const float> logits, std::span<std::int32_t> ids) {
     throw acceptance_error(acceptance_errc::size_mismatch,
                            "top-k: k = " + std::to_string(ids.size()) + " must be in [1, " +
                                std::to_string(logits.size()) + "] (the row length)");
-  detail::check_row_finite(logits, -1, "top-k row");
+  detail::check_logit_row(logits, -1, "top-k row");
   detail::top_k_ids(logits.data(), logits.size(), static_cast<int>(ids.size()), ids.data());
 }
 
@@ -80,7 +80,7 @@ inline void top_k(std::span<const float> logits, std::span<std::int32_t> ids) {
 inline std::int32_t argmax(std::span<const float> logits) {
   if (logits.empty())
     throw acceptance_error(acceptance_errc::vocab_mismatch, "argmax of an empty logit row");
-  detail::check_row_finite(logits, -1, "argmax row");
+  detail::check_logit_row(logits, -1, "argmax row");
   return detail::argmax_finite(logits.data(), logits.size());
 }
 
@@ -152,7 +152,7 @@ void generate_candidates(const Tree& t, std::int32_t root, std::span<const float
                            0);
   for (int d = 1; d <= t.depth(); ++d) {
     const auto row = head_logits.subspan(static_cast<std::size_t>(d - 1) * v, v);
-    detail::check_row_finite(row, d - 1, "head");
+    detail::check_logit_row(row, d - 1, "head");
     const int k = candidates_per_depth(t, d);
     if (k > vocab)
       throw acceptance_error(acceptance_errc::vocab_mismatch,

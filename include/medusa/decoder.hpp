@@ -220,7 +220,7 @@ std::int32_t choose_token(const Policy& policy, std::span<const float> z, std::u
   if constexpr (std::is_base_of_v<sampling_warp, Policy>)
     return sample_token(z, static_cast<const sampling_warp&>(policy), seed, step, ws);
   else {
-    detail::check_row_finite(z, -1, "logit row");
+    detail::check_logit_row(z, -1, "logit row");
     return argmax(z);
   }
 }

@@ -110,16 +110,33 @@ struct alignas(16) vector16 {
   T e[size];
 };
 
-//! Loads 16 aligned bytes (one `ld.global.v4` on the device).
-template <class T>
-MEDUSA_KERNEL_FN vector16<T> load_vector16(const T* p) noexcept {
+//! Loads a `V` from memory aligned to `alignof(V)`: one vector access on the device (`V` of 16
+//! bytes: `ld.global.v4`), `memcpy` on the host (same bytes, no aliasing questions).
+template <class V>
+MEDUSA_KERNEL_FN V load_aligned(const void* p) noexcept {
 #if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const vector16<T>*>(p);
+  return *static_cast<const V*>(p);
 #else
-  vector16<T> v;
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 #endif
+}
+
+//! Stores a `V` to memory aligned to `alignof(V)` (the counterpart of `load_aligned`).
+template <class V>
+MEDUSA_KERNEL_FN void store_aligned(void* p, const V& v) noexcept {
+#if defined(__CUDA_ARCH__)
+  *static_cast<V*>(p) = v;
+#else
+  std::memcpy(p, &v, sizeof v);
+#endif
+}
+
+//! Loads 16 aligned bytes of elements.
+template <class T>
+MEDUSA_KERNEL_FN vector16<T> load_vector16(const T* p) noexcept {
+  return load_aligned<vector16<T>>(p);
 }
 
 //! Calls `f(float value, int index)` for every element of `x[begin, end)`, strided over the

@@ -96,13 +96,6 @@ inline dim3 grid_of(const launch_shape& s) {
   return {static_cast<unsigned>(s.grid_x), static_cast<unsigned>(s.grid_y), 1u};
 }
 
-// Kernels whose dynamic shared memory may exceed 48 KiB must opt in once per device.
-template <class Kernel>
-cudaError_t allow_shared(Kernel kernel, std::size_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-}
-
 }  // namespace detail
 
 //! Top-k of `plan.rows` rows (`a.logits`, `a.row_stride`, `a.out_ids`, optional `a.out_values`,

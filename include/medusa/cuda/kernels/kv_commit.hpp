@@ -50,7 +50,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -264,27 +263,6 @@ struct alignas(VecBytes) kv_commit_chunk {
   word words[VecBytes / sizeof(word)];
 };
 
-// Vector access on the device; memcpy on the host (no aliasing questions, same bytes).
-template <int VecBytes>
-MEDUSA_KERNEL_FN kv_commit_chunk<VecBytes> kv_commit_load(const unsigned char* p) noexcept {
-#if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const kv_commit_chunk<VecBytes>*>(p);
-#else
-  kv_commit_chunk<VecBytes> c;
-  std::memcpy(&c, p, sizeof c);
-  return c;
-#endif
-}
-
-template <int VecBytes>
-MEDUSA_KERNEL_FN void kv_commit_store(unsigned char* p, const kv_commit_chunk<VecBytes>& c) noexcept {
-#if defined(__CUDA_ARCH__)
-  *reinterpret_cast<kv_commit_chunk<VecBytes>*>(p) = c;
-#else
-  std::memcpy(p, &c, sizeof c);
-#endif
-}
-
 // The page holding `slot` of request b (unchecked).
 MEDUSA_KERNEL_FN std::int32_t kv_commit_page(const kv_commit_params& p, int b, int slot) noexcept {
   return p.block_tables[static_cast<std::size_t>(b) * static_cast<std::size_t>(p.blocks_per_request) +
@@ -368,7 +346,7 @@ MEDUSA_KERNEL_FN void kv_commit_with_width(Ctx& ctx, const kv_commit_params& p) 
         MEDUSA_UNROLL
         for (int r = 0; r < rows_per_pass; ++r)
           if (pass + r < length)
-            rows[r] = detail::kv_commit_load<VecBytes>(column + detail::kv_commit_slot_bytes(p, b, committed + path[pass + r]));
+            rows[r] = load_aligned<detail::kv_commit_chunk<VecBytes>>(column + detail::kv_commit_slot_bytes(p, b, committed + path[pass + r]));
         // Targets are computed before the first store: the reads they need (block table) cannot
         // then be held up behind stores the compiler must assume they alias.
         std::size_t target[rows_per_pass];
@@ -377,7 +355,7 @@ MEDUSA_KERNEL_FN void kv_commit_with_width(Ctx& ctx, const kv_commit_params& p) 
           target[r] = pass + r < length ? detail::kv_commit_slot_bytes(p, b, committed + pass + r) : 0;
         MEDUSA_UNROLL
         for (int r = 0; r < rows_per_pass; ++r)
-          if (pass + r < length) detail::kv_commit_store<VecBytes>(column + target[r], rows[r]);
+          if (pass + r < length) store_aligned(column + target[r], rows[r]);
       }
     }
   }
@@ -397,6 +375,23 @@ MEDUSA_KERNEL_FN void kv_commit(Ctx& ctx, const kv_commit_params& p) {
   }
 }
 
+namespace detail {
+// The fields every layout shares: batch, pools, element size, extents, layer and head strides.
+template <class View>
+kv_commit_params kv_commit_params_of(const View& cache, const kv_commit_batch& batch) {
+  const auto& m = cache.mapping();
+  kv_commit_params p;
+  p.batch = batch;
+  p.k = cache.k_data();
+  p.v = cache.v_data();
+  p.element_bytes = static_cast<int>(sizeof(typename View::element_type));
+  p.shape = m.shape;
+  p.layer_stride = m.layer_stride;
+  p.head_stride = m.head_stride;
+  return p;
+}
+}  // namespace detail
+
 //! Params for a contiguous cache described by a `kv_cache_view` whose handles are device
 //! pointers (host pointers for the emulation). Request `b` owns slots
 //! `[slot_bases[b], slot_bases[b] + slots_per_request)` of the view; `slot_bases` is a device
@@ -409,14 +404,7 @@ template <class T>
                                                      const std::int32_t* slot_bases = nullptr,
                                                      int slots_per_request = 0) {
   const auto& m = cache.mapping();
-  kv_commit_params p;
-  p.batch = batch;
-  p.k = cache.k_data();
-  p.v = cache.v_data();
-  p.element_bytes = static_cast<int>(sizeof(T));
-  p.shape = m.shape;
-  p.layer_stride = m.layer_stride;
-  p.head_stride = m.head_stride;
+  kv_commit_params p = detail::kv_commit_params_of(cache, batch);
   p.layout = kv_commit_layout::strided;
   p.slot_stride = m.slot_stride;
   p.slots_per_request = slots_per_request > 0 ? slots_per_request : m.capacity;
@@ -434,14 +422,7 @@ template <class T>
                                                      const std::int32_t* block_tables = nullptr,
                                                      int blocks_per_request = 0) {
   const auto& m = cache.mapping();
-  kv_commit_params p;
-  p.batch = batch;
-  p.k = cache.k_data();
-  p.v = cache.v_data();
-  p.element_bytes = static_cast<int>(sizeof(T));
-  p.shape = m.shape;
-  p.layer_stride = m.layer_stride;
-  p.head_stride = m.head_stride;
+  kv_commit_params p = detail::kv_commit_params_of(cache, batch);
   p.layout = kv_commit_layout::paged;
   p.page_stride = m.page_stride;
   p.token_stride = m.token_stride;
