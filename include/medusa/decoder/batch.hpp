@@ -1,0 +1,677 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file decoder/batch.hpp
+//! `batch_decoder`: Medusa steps for a batch of requests over one engine (continuous batching).
+//! Requests join and leave between steps; each `step()` prefills the requests that joined, then
+//! runs one step for every request in one ragged forward pass, and returns each request's new
+//! tokens and, when it ended, why.
+//!
+//! @code
+//! medusa::batch_decoder dec(model, heads, medusa::tree::preset("mc_sim_7b_63"), medusa::greedy_policy{},
+//!                           /*max_batch=*/8);
+//! dec.join(/*request=*/0, prompt_a, {.max_new_tokens = 256, .eos_token = 2});
+//! dec.join(/*request=*/1, prompt_b, {.max_new_tokens = 64});
+//! while (!dec.empty()) {
+//!   for (const medusa::request_update& u : dec.step()) {
+//!     stream(u.request, u.tokens);                 // the tokens this step generated
+//!     if (u.finished) done(u.request, u.reason);   // u.result holds the whole output
+//!   }
+//!   // join new requests here
+//! }
+//! @endcode
+//!
+//! A request's tokens are exactly those it would get decoded alone (`decoder::generate`, and with
+//! greedy acceptance plain greedy decoding): requests share the forward pass and the tree, never
+//! state. Errors specific to one request (non-finite logits, a cache that cannot take the step, a
+//! throwing token callback, pages the engine cannot map) end that request with
+//! `stop_reason::failed` and the exception in its update; the others go on. Errors of the whole
+//! batch (the model's forward throws) propagate from `step()`.
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/acceptance.hpp>
+#include <medusa/candidates.hpp>
+#include <medusa/decoder/model.hpp>
+#include <medusa/decoder/options.hpp>
+#include <medusa/kv_cache.hpp>
+#include <medusa/tree.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+MEDUSA_NAMESPACE_BEGIN
+
+namespace detail {
+
+using decode_clock = std::chrono::steady_clock;
+
+inline double seconds_since(decode_clock::time_point t0) {
+  return std::chrono::duration<double>(decode_clock::now() - t0).count();
+}
+
+// Token callbacks may return bool (false = stop) or nothing (never stops).
+template <class F>
+bool call_on_token(F& f, std::int32_t token) {
+  if constexpr (std::is_void_v<std::invoke_result_t<F&, std::int32_t>>) {
+    f(token);
+    return true;
+  } else {
+    return static_cast<bool>(f(token));
+  }
+}
+
+struct no_callback {
+  void operator()(std::int32_t) const noexcept {}
+};
+
+// Root choice from a logit row: argmax for the deterministic policies, a warped draw for the
+// sampling ones (a lossless sampler must take its first root from the target distribution too).
+template <class Policy>
+std::int32_t choose_token(const Policy& policy, std::span<const float> z, std::uint64_t seed,
+                          std::uint64_t step, acceptance_workspace& ws) {
+  if constexpr (std::is_base_of_v<sampling_warp, Policy>)
+    return sample_token(z, static_cast<const sampling_warp&>(policy), seed, step, ws);
+  else {
+    detail::check_logit_row(z, -1, "logit row");
+    return argmax(z);
+  }
+}
+
+inline std::size_t to_size(int v) noexcept { return static_cast<std::size_t>(v); }
+
+}  // namespace detail
+
+//! The one-node tree of plain decoding: with it (and `no_heads`) every step of a `batch_decoder`
+//! is a single-token step, so plain and Medusa decoding share one loop.
+struct plain_tree {
+  [[nodiscard]] static constexpr int num_nodes() noexcept { return 1; }
+  [[nodiscard]] static constexpr int parent(int) noexcept { return -1; }
+  [[nodiscard]] static constexpr int words_per_row() noexcept { return 1; }
+  [[nodiscard]] static constexpr std::uint32_t packed_mask_word(int, int) noexcept { return 1u; }
+  [[nodiscard]] static constexpr bool mask(int, int) noexcept { return true; }
+  [[nodiscard]] static constexpr int depth() noexcept { return 0; }
+  [[nodiscard]] static constexpr int topk() noexcept { return 1; }
+  [[nodiscard]] static constexpr int num_leaves() noexcept { return 1; }
+  [[nodiscard]] static constexpr int node_depth(int) noexcept { return 0; }
+  [[nodiscard]] static constexpr int rank(int) noexcept { return 0; }
+  [[nodiscard]] static constexpr int tree_index(int) noexcept { return 0; }
+  [[nodiscard]] static constexpr int child_begin(int) noexcept { return 1; }
+  [[nodiscard]] static constexpr int child_count(int) noexcept { return 0; }
+  [[nodiscard]] static constexpr int depth_begin(int d) noexcept { return d == 0 ? 0 : 1; }
+  [[nodiscard]] static constexpr int max_rank(int) noexcept { return 0; }
+  [[nodiscard]] static constexpr int leaf(int) noexcept { return 0; }
+  [[nodiscard]] static constexpr int retrieve(int, int) noexcept { return 0; }
+  [[nodiscard]] tree_mask_view mask_view() const noexcept { return {std::span<const std::uint32_t>(&word_, 1), 1}; }
+
+ private:
+  static constexpr std::uint32_t word_ = 1u;
+};
+
+//! What one `step()` did for one request.
+struct request_update {
+  int request = -1;                      //!< the id given to `join`
+  std::span<const std::int32_t> tokens;  //!< tokens generated this step (valid until the next step/join/leave)
+  bool finished = false;                 //!< the request ended in this step and left the batch
+  stop_reason reason = stop_reason::max_tokens;  //!< why it ended (when `finished`)
+  std::exception_ptr error;              //!< the request's error (when `reason == stop_reason::failed`)
+  decode_result result;                  //!< when `finished`: the request's whole output and statistics
+
+  //! The error's message ("" without one).
+  [[nodiscard]] std::string error_message() const {
+    if (!error) return {};
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      return e.what();
+    } catch (...) {
+      return "unknown exception";
+    }
+  }
+};
+
+//! Medusa decoding of a batch of requests over an engine's model, draft heads, one tree shared by
+//! the batch and an acceptance policy. Construction sizes every buffer for `max_batch` requests;
+//! `step()` allocates nothing beyond the requests' output token vectors.
+//!
+//! A step, for each request in the batch:
+//! - decoding far enough from its limits: heads on its hidden state → candidates → its tree rows
+//!   in the shared ragged forward → acceptance (`verify_batch`) → `kv_commit` → emit root + drafts;
+//! - otherwise (near the end of its context or of `max_new_tokens`, pending EOS, a one-node tree):
+//!   a plain step, emitting the pending token and running it as one row of the same forward.
+//!
+//! With a root-only tree (`tree::from_text("[]")`) and `no_heads` this is plain batched decoding.
+//!
+//! @tparam Model  satisfies `batch_decoder_model` (optionally the paging hooks of decoder/model.hpp)
+//! @tparam Heads  satisfies `draft_heads` (at least `tree.depth()` heads); `batched_draft_heads` is
+//!                used when available
+//! @tparam Tree   satisfies `tree_like`
+//! @tparam Policy satisfies `acceptance_policy`
+template <batch_decoder_model Model, draft_heads Heads, tree_like Tree, acceptance_policy Policy>
+class batch_decoder {
+ public:
+  //! Per-request token callback: return false to stop the request (`stop_reason::callback`).
+  using token_callback = std::function<bool(std::int32_t)>;
+
+  //! @throws decode_error if the heads are fewer than the tree's depth, `max_batch < 1`, or the
+  //!         model reports a non-positive vocabulary or hidden size.
+  batch_decoder(Model& model, Heads& heads, const Tree& tree, Policy policy = {}, int max_batch = 8)
+      : model_(model), heads_(heads), tree_(tree), policy_(std::move(policy)), max_batch_(max_batch) {
+    const int n = tree_.num_nodes();
+    num_heads_ = static_cast<int>(heads_.num_heads());
+    vocab_ = static_cast<int>(model_.vocab_size());
+    hidden_ = static_cast<int>(model_.hidden_size());
+    if (num_heads_ < tree_.depth())
+      throw decode_error("the tree is " + std::to_string(tree_.depth()) + " deep but only " +
+                         std::to_string(num_heads_) + " draft heads are loaded");
+    if (vocab_ <= 0 || hidden_ <= 0)
+      throw decode_error("model reports vocab " + std::to_string(vocab_) + " and hidden size " +
+                         std::to_string(hidden_));
+    if (max_batch_ < 1) throw decode_error("max_batch must be >= 1, got " + std::to_string(max_batch_));
+    using detail::to_size;
+    const std::size_t B = to_size(max_batch_), V = to_size(vocab_), d = to_size(hidden_), N = to_size(n);
+    slots_.resize(B);
+    for (slot& s : slots_) s.h.resize(d);
+    head_in_.resize(B * d);
+    head_logits_.resize(B * to_size(num_heads_) * V);
+    flat_.resize(flat_candidates_size(tree_, num_heads_));
+    tokens_.resize(B * N);
+    positions_.resize(B * N);
+    ids_.resize(B);
+    qo_indptr_.resize(B + 1);
+    cache_lengths_.resize(B);
+    members_.resize(B);
+    verify_rows_.resize(B);
+    logits_.resize(B * N * V);
+    hidden_out_.resize(B * N * d);
+    requests_.resize(B);
+    results_.resize(B);
+    step_tokens_.reserve(B * (to_size(tree_.depth()) + 1));
+    updates_.reserve(B);
+    if constexpr (!has_mask_view) {
+      mask_.resize(N * to_size(tree_.words_per_row()));
+      copy_packed_mask(tree_, std::span<std::uint32_t>(mask_));
+    }
+    ws_.reserve(n, vocab_);
+  }
+
+  //! Adds a request; its prompt is prefilled at the next `step()`, which also runs its first step.
+  //! `request` is the engine's id for it (passed to `kv_cache`, `forward`, the hooks); the prompt
+  //! is copied, and prefilled from slot 0 of the request's cache.
+  //! @throws decode_error (nothing changes) on a duplicate id, a full batch, an empty or over-long
+  //!         prompt, tokens outside the vocabulary, or bad options.
+  void join(int request, std::span<const std::int32_t> prompt, const decode_options& opt = {},
+            token_callback on_token = {}) {
+    if (contains(request)) throw decode_error("request " + std::to_string(request) + " is already in the batch");
+    auto free_slot = std::find_if(slots_.begin(), slots_.end(), [](const slot& s) { return !s.active; });
+    if (free_slot == slots_.end())
+      throw decode_error("the batch is full (" + std::to_string(max_batch_) + " requests): request " +
+                         std::to_string(request) + " cannot join");
+    const std::string who = "request " + std::to_string(request) + ": ";
+    if (opt.max_new_tokens < 0)
+      throw decode_error(who + "max_new_tokens must be >= 0, got " + std::to_string(opt.max_new_tokens));
+    if (opt.prefill_chunk < 1)
+      throw decode_error(who + "prefill_chunk must be >= 1, got " + std::to_string(opt.prefill_chunk));
+    if (prompt.empty()) throw decode_error(who + "the prompt is empty: give at least one token (e.g. BOS)");
+    const int context = context_of(request);
+    if (prompt.size() > detail::to_size(context)) {
+      std::string hint;
+      if constexpr (kv_reserving_model<Model> && !context_bounded_model<Model>)
+        hint = " (a model that maps pages on demand should report max_context())";
+      throw decode_error(who + "prompt of " + std::to_string(prompt.size()) + " tokens does not fit the context of " +
+                         std::to_string(context) + " tokens" + hint);
+    }
+    for (std::size_t i = 0; i < prompt.size(); ++i)
+      if (prompt[i] < 0 || prompt[i] >= vocab_)
+        throw decode_error(who + "prompt token #" + std::to_string(i) + " = " + std::to_string(prompt[i]) +
+                           " is outside the vocabulary [0, " + std::to_string(vocab_) + ")");
+    slot& s = *free_slot;
+    s.prompt.assign(prompt.begin(), prompt.end());
+    s.id = request;
+    s.opt = opt;
+    s.on_token = std::move(on_token);
+    s.context = context;
+    s.prefilled = 0;
+    s.ready = false;
+    s.length = 0;
+    s.pending = -1;
+    s.step = 0;
+    s.done = false;
+    s.error = nullptr;
+    s.result = decode_result{};
+    s.result.stats.accepted_histogram.assign(detail::to_size(tree_.depth() + 1), 0);
+    s.result.stats.accepted_at_depth.assign(detail::to_size(tree_.depth()), 0);
+    s.joined = detail::decode_clock::now();
+    s.active = true;
+    ++size_;
+  }
+
+  //! Removes a request now (e.g. its client went away); it gets no further update. Its cache
+  //! slots are the engine's to free or keep.
+  //! @throws decode_error if `request` is not in the batch.
+  void leave(int request) {
+    slot* s = find(request);
+    if (s == nullptr) throw decode_error("request " + std::to_string(request) + " is not in the batch");
+    retire(*s);
+  }
+
+  //! Runs one step for every request in the batch (prefilling those that joined since the last
+  //! step first) and returns one update per request, in slot order. Finished requests have left
+  //! the batch when this returns. The returned span and the updates' token spans stay valid until
+  //! the next `step`, `join` or `leave`.
+  //! @throws whatever the model's `forward` or the heads throw (errors of the whole batch).
+  std::span<request_update> step() {
+    using detail::decode_clock;
+    using detail::seconds_since;
+    updates_.clear();
+    step_tokens_.clear();
+    for (slot& s : slots_) {
+      s.out_begin = 0;
+      s.out_count = 0;
+      s.in_step = s.active;
+    }
+    // A request that wants no tokens ends before any work (as plain decoding does).
+    for (slot& s : slots_)
+      if (s.active && !s.ready && s.opt.max_new_tokens == 0) finish(s, stop_reason::max_tokens);
+    prefill();
+    decode();
+    for (slot& s : slots_) {
+      if (!s.in_step) continue;
+      request_update u;
+      u.request = s.id;
+      u.tokens = std::span<const std::int32_t>(step_tokens_.data() + s.out_begin, detail::to_size(s.out_count));
+      if (s.done) {
+        u.finished = true;
+        u.reason = s.result.reason;
+        u.error = s.error;
+        s.result.stats.seconds.total = seconds_since(s.joined);
+        u.result = std::move(s.result);
+        retire(s);
+      }
+      updates_.push_back(std::move(u));
+    }
+    return updates_;
+  }
+
+  //! Requests in the batch.
+  [[nodiscard]] int size() const noexcept { return size_; }
+  //! True when no request is in the batch.
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  //! Most requests at once.
+  [[nodiscard]] int max_batch() const noexcept { return max_batch_; }
+  //! True when `request` is in the batch.
+  [[nodiscard]] bool contains(int request) const noexcept {
+    return std::any_of(slots_.begin(), slots_.end(), [&](const slot& s) { return s.active && s.id == request; });
+  }
+  //! Committed cache slots of `request` (prompt + accepted tokens so far).
+  //! @throws decode_error if `request` is not in the batch.
+  [[nodiscard]] int length(int request) const {
+    for (const slot& s : slots_)
+      if (s.active && s.id == request) return s.length;
+    throw decode_error("request " + std::to_string(request) + " is not in the batch");
+  }
+  //! The tree in use.
+  [[nodiscard]] const Tree& tree() const noexcept { return tree_; }
+  //! The policy in use.
+  [[nodiscard]] const Policy& policy() const noexcept { return policy_; }
+
+ private:
+  struct slot {
+    bool active = false;
+    bool ready = false;  // prefilled: `pending` and `h` are valid
+    bool done = false;
+    bool in_step = false;
+    int id = -1;
+    decode_options opt;
+    token_callback on_token;
+    std::vector<std::int32_t> prompt;
+    int prefilled = 0;
+    int context = 0;
+    int length = 0;
+    std::int32_t pending = -1;
+    std::uint64_t step = 0;  // Philox counter: 0 for the prefill root, then one per step
+    std::vector<float> h;    // the hidden state the heads read next
+    decode_result result;
+    std::exception_ptr error;
+    detail::decode_clock::time_point joined;
+    std::size_t out_begin = 0;
+    int out_count = 0;
+    int rows = 0;  // this step: 0 = none, 1 = plain, num_nodes = tree
+  };
+
+  static constexpr bool has_mask_view = requires(const Tree& t) {
+    { t.mask_view() } -> std::convertible_to<tree_mask_view>;
+  };
+  [[nodiscard]] tree_mask_view mask_view() const noexcept {
+    if constexpr (has_mask_view) return tree_.mask_view();
+    else return {mask_, tree_.words_per_row()};
+  }
+
+  slot* find(int request) {
+    for (slot& s : slots_)
+      if (s.active && s.id == request) return &s;
+    return nullptr;
+  }
+
+  int context_of(int request) {
+    if constexpr (context_bounded_model<Model>) return static_cast<int>(model_.max_context());
+    else return kv_capacity(model_.kv_cache(request));
+  }
+
+  void retire(slot& s) {
+    s.active = false;
+    s.on_token = nullptr;
+    s.prompt.clear();
+    --size_;
+  }
+
+  void finish(slot& s, stop_reason r) {
+    s.done = true;
+    s.result.reason = r;
+  }
+  void fail(slot& s, std::exception_ptr e) {
+    s.error = std::move(e);
+    finish(s, stop_reason::failed);
+  }
+  // Runs `f` for request `s`, ending the request (not the batch) if it throws. False on failure.
+  template <class F>
+  bool guarded(slot& s, F&& f) {
+    try {
+      f();
+      return true;
+    } catch (...) {
+      fail(s, std::current_exception());
+      return false;
+    }
+  }
+
+  // Maps (hook) and checks slots [L, L + count) of a request before a forward writes them.
+  void prepare_append(slot& s, int L, int count) {
+    if constexpr (kv_reserving_model<Model>) model_.reserve(s.id, L + count);
+    kv_check_append(model_.kv_cache(s.id), L, count);
+  }
+
+  // Emits one generated token under the request's stop rules; false once the request is over.
+  bool emit(slot& s, std::int32_t token) {
+    if (s.done) return false;
+    if (token == s.opt.eos_token) {
+      finish(s, stop_reason::eos);
+      return false;
+    }
+    if (s.out_count == 0) s.out_begin = step_tokens_.size();
+    step_tokens_.push_back(token);
+    ++s.out_count;
+    s.result.tokens.push_back(token);
+    ++s.result.stats.new_tokens;
+    if (s.on_token) {
+      bool go = true;
+      if (!guarded(s, [&] { go = s.on_token(token); })) return false;
+      if (!go) {
+        finish(s, stop_reason::callback);
+        return false;
+      }
+    }
+    if (s.result.stats.new_tokens >= s.opt.max_new_tokens) {
+      finish(s, stop_reason::max_tokens);
+      return false;
+    }
+    return true;
+  }
+
+  // Prefill of the requests that joined: ragged causal passes of up to `prefill_chunk` tokens per
+  // request until every prompt is in the cache; then each takes its first root from the last
+  // position's logits.
+  void prefill() {
+    using detail::to_size;
+    const std::size_t V = to_size(vocab_), d = to_size(hidden_);
+    for (;;) {
+      const auto t0 = detail::decode_clock::now();
+      int B = 0, T = 0;
+      for (slot& s : slots_) {
+        if (!s.active || s.done || s.ready) continue;
+        const int count = std::min(s.opt.prefill_chunk, static_cast<int>(s.prompt.size()) - s.prefilled);
+        if (!guarded(s, [&] { prepare_append(s, s.prefilled, count); })) continue;
+        if (positions_.size() < to_size(T + count)) {  // prompt chunks may exceed the tree rows
+          positions_.resize(to_size(T + count));
+          tokens_.resize(to_size(T + count));
+        }
+        for (int i = 0; i < count; ++i) {
+          tokens_[to_size(T + i)] = s.prompt[to_size(s.prefilled + i)];
+          positions_[to_size(T + i)] = s.prefilled + i;
+        }
+        members_[to_size(B)] = &s;
+        ids_[to_size(B)] = s.id;
+        cache_lengths_[to_size(B)] = s.prefilled;
+        qo_indptr_[to_size(B)] = T;
+        s.rows = count;
+        T += count;
+        ++B;
+      }
+      if (B == 0) return;
+      qo_indptr_[to_size(B)] = T;
+      ragged_batch b;
+      b.requests = std::span<const int>(ids_.data(), to_size(B));
+      b.qo_indptr = std::span<const int>(qo_indptr_.data(), to_size(B + 1));
+      b.tokens = std::span<const std::int32_t>(tokens_.data(), to_size(T));
+      b.positions = std::span<const std::int32_t>(positions_.data(), to_size(T));
+      b.cache_lengths = std::span<const int>(cache_lengths_.data(), to_size(B));
+      b.last_row_only = true;
+      b.logits = std::span<float>(logits_.data(), to_size(B) * V);
+      b.hidden = std::span<float>(hidden_out_.data(), to_size(B) * d);
+      model_.forward(b);
+      const double dt = detail::seconds_since(t0);
+      for (int i = 0; i < B; ++i) {
+        slot& s = *members_[to_size(i)];
+        s.result.stats.seconds.prefill += dt;
+        s.prefilled += s.rows;
+        s.length = s.prefilled;
+        if (s.prefilled < static_cast<int>(s.prompt.size())) continue;
+        s.result.stats.prompt_tokens = s.prefilled;
+        const auto z = std::span<const float>(logits_.data() + to_size(i) * V, V);
+        std::copy_n(hidden_out_.data() + to_size(i) * d, d, s.h.data());
+        if (guarded(s, [&] { s.pending = detail::choose_token(policy_, z, s.opt.seed, s.step, ws_); })) s.ready = true;
+      }
+    }
+  }
+
+  // One step for every prefilled request: one ragged forward of tree rows (or a single row).
+  void decode() {
+    using detail::decode_clock;
+    using detail::seconds_since;
+    using detail::to_size;
+    const int n = tree_.num_nodes();
+    const std::size_t V = to_size(vocab_), d = to_size(hidden_), HV = to_size(num_heads_) * V;
+
+    // Which requests take a tree step, which a plain one; plain ones emit their pending token now.
+    int R = 0;  // tree requests, in order: their hidden states go to the heads together
+    for (slot& s : slots_) {
+      s.rows = 0;
+      if (!s.active || s.done || !s.ready) continue;
+      const int remaining = s.opt.max_new_tokens - s.result.stats.new_tokens;
+      if (n > 1 && s.length + n <= s.context && remaining > 1 && s.pending != s.opt.eos_token) {
+        std::copy_n(s.h.data(), d, head_in_.data() + to_size(R) * d);
+        s.rows = n;
+        ++R;
+        continue;
+      }
+      if (!emit(s, s.pending)) continue;
+      if (s.length >= s.context) {
+        finish(s, stop_reason::context_full);
+        continue;
+      }
+      s.rows = 1;
+    }
+
+    // Draft heads over the tree requests' hidden states, then each request's candidates.
+    auto t0 = decode_clock::now();
+    if (R > 0) {
+      if constexpr (batched_draft_heads<Heads>) {
+        heads_.forward(std::span<const float>(head_in_.data(), to_size(R) * d), R,
+                       std::span<float>(head_logits_.data(), to_size(R) * HV));
+      } else {
+        for (int r = 0; r < R; ++r)
+          heads_.forward(std::span<const float>(head_in_.data() + to_size(r) * d, d),
+                         std::span<float>(head_logits_.data() + to_size(r) * HV, HV));
+      }
+    }
+    const double heads_time = seconds_since(t0);
+
+    t0 = decode_clock::now();
+    int B = 0, T = 0, r = 0;
+    for (slot& s : slots_) {
+      if (s.rows == 0) continue;
+      const int L = s.length;
+      const int count = s.rows;
+      std::int32_t* toks = tokens_.data() + T;
+      std::int32_t* pos = positions_.data() + T;
+      bool ok = true;
+      if (count == n && n > 1) {
+        const auto hl = std::span<const float>(head_logits_.data() + to_size(r) * HV, HV);
+        ++r;
+        ok = guarded(s, [&] {
+          generate_candidates(tree_, s.pending, hl, vocab_, flat_, std::span<std::int32_t>(toks, to_size(n)));
+          write_node_positions(tree_, L, pos);
+        });
+      } else {
+        toks[0] = s.pending;
+        pos[0] = L;
+      }
+      if (ok) ok = guarded(s, [&] { prepare_append(s, L, count); });
+      if (!ok) {
+        s.rows = 0;
+        continue;
+      }
+      members_[to_size(B)] = &s;
+      ids_[to_size(B)] = s.id;
+      cache_lengths_[to_size(B)] = L;
+      qo_indptr_[to_size(B)] = T;
+      T += count;
+      ++B;
+    }
+    const double candidates_time = seconds_since(t0);
+    if (B == 0) return;
+    qo_indptr_[to_size(B)] = T;
+
+    t0 = decode_clock::now();
+    ragged_batch b;
+    b.requests = std::span<const int>(ids_.data(), to_size(B));
+    b.qo_indptr = std::span<const int>(qo_indptr_.data(), to_size(B + 1));
+    b.tokens = std::span<const std::int32_t>(tokens_.data(), to_size(T));
+    b.positions = std::span<const std::int32_t>(positions_.data(), to_size(T));
+    b.cache_lengths = std::span<const int>(cache_lengths_.data(), to_size(B));
+    b.tree_mask = mask_view();
+    b.logits = std::span<float>(logits_.data(), to_size(T) * V);
+    b.hidden = std::span<float>(hidden_out_.data(), to_size(T) * d);
+    model_.forward(b);
+    const double forward_time = seconds_since(t0);
+
+    // Acceptance: the tree requests through verify_batch; if any request's logits are bad, each
+    // is verified alone so that only the bad ones fail (verification has no side effects).
+    t0 = decode_clock::now();
+    int verify_count = 0;
+    for (int i = 0; i < B; ++i) {
+      slot& s = *members_[to_size(i)];
+      if (s.rows != n || n == 1) continue;
+      verify_request q;
+      q.node_tokens = std::span<const std::int32_t>(tokens_.data() + qo_indptr_[to_size(i)], to_size(n));
+      q.logits = std::span<const float>(logits_.data() + to_size(qo_indptr_[to_size(i)]) * V, to_size(n) * V);
+      q.vocab = vocab_;
+      q.seed = s.opt.seed;
+      q.step = s.step + 1;
+      q.eos_token = s.opt.eos_token;
+      requests_[to_size(verify_count)] = q;
+      verify_rows_[to_size(verify_count)] = i;
+      ++verify_count;
+    }
+    bool verified_all = true;
+    if (verify_count > 0) {
+      try {
+        verify_batch(tree_, std::span<const verify_request>(requests_.data(), to_size(verify_count)), policy_, ws_,
+                     std::span<verify_result>(results_.data(), to_size(verify_count)));
+      } catch (...) {
+        verified_all = false;
+      }
+    }
+    std::vector<bool>& ok = verified_ok_;
+    ok.assign(to_size(verify_count), true);
+    if (!verified_all)
+      for (int j = 0; j < verify_count; ++j) {
+        slot& s = *members_[to_size(verify_rows_[to_size(j)])];
+        ok[to_size(j)] = guarded(s, [&] { results_[to_size(j)] = verify(tree_, requests_[to_size(j)], policy_, ws_); });
+      }
+    const double accept_time = seconds_since(t0);
+
+    // Commit, emit and move on, request by request.
+    int j = 0;
+    for (int i = 0; i < B; ++i) {
+      slot& s = *members_[to_size(i)];
+      const std::size_t row0 = to_size(qo_indptr_[to_size(i)]);
+      auto& st = s.result.stats;
+      st.seconds.heads += heads_time;
+      st.seconds.candidates += candidates_time;
+      st.seconds.forward += forward_time;
+      st.seconds.accept += accept_time;
+      ++st.steps;
+      ++s.step;
+      if (s.rows == 1) {  // plain step: its token was emitted; choose the next one
+        s.length += 1;
+        std::copy_n(hidden_out_.data() + row0 * d, d, s.h.data());
+        const auto z = std::span<const float>(logits_.data() + row0 * V, V);
+        const auto tc = decode_clock::now();
+        guarded(s, [&] { s.pending = detail::choose_token(policy_, z, s.opt.seed, s.step, ws_); });
+        st.seconds.accept += seconds_since(tc);
+        if constexpr (kv_releasing_model<Model>)
+          if (!s.done) guarded(s, [&] { model_.release(s.id, s.length); });
+        continue;
+      }
+      const int jj = j++;
+      if (!ok[to_size(jj)]) continue;
+      const verify_result& res = results_[to_size(jj)];
+      const auto tc = decode_clock::now();
+      const bool committed = guarded(s, [&] {
+        s.length = kv_commit(model_.kv_cache(s.id), s.length, tree_, res.nodes());
+        if constexpr (kv_releasing_model<Model>) model_.release(s.id, s.length);
+      });
+      st.seconds.commit += seconds_since(tc);
+      if (!committed) continue;
+      ++st.tree_steps;
+      ++st.accepted_histogram[to_size(res.accept_length)];
+      for (int a = 1; a <= res.accept_length; ++a) ++st.accepted_at_depth[to_size(a - 1)];
+      for (std::int32_t tok : res.tokens())
+        if (!emit(s, tok)) break;
+      if (s.done) continue;
+      // An accepted EOS draft ends the request in emit(); otherwise continue from the bonus.
+      s.pending = res.bonus;
+      std::copy_n(hidden_out_.data() + (row0 + to_size(res.next_node)) * d, d, s.h.data());
+    }
+  }
+
+  Model& model_;
+  Heads& heads_;
+  Tree tree_;
+  Policy policy_;
+  int max_batch_ = 0;
+  int num_heads_ = 0, vocab_ = 0, hidden_ = 0;
+  int size_ = 0;
+  std::vector<slot> slots_;
+  std::vector<float> head_in_, head_logits_, logits_, hidden_out_;
+  std::vector<std::int32_t> flat_, tokens_, positions_;
+  std::vector<int> ids_, qo_indptr_, cache_lengths_, verify_rows_;
+  std::vector<slot*> members_;
+  std::vector<verify_request> requests_;
+  std::vector<verify_result> results_;
+  std::vector<bool> verified_ok_;
+  std::vector<std::int32_t> step_tokens_;
+  std::vector<request_update> updates_;
+  std::vector<std::uint32_t> mask_;  // the packed mask of a tree without mask_view()
+  acceptance_workspace ws_;
+};
+
+MEDUSA_NAMESPACE_END

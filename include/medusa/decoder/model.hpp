@@ -1,0 +1,184 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file decoder/model.hpp
+//! What the decoding loops ask of an engine: a forward pass (one request, `forward_batch`, or a
+//! ragged batch of requests, `ragged_batch`), its KV cache, optional hooks for caches whose pages
+//! are mapped on demand, and draft heads.
+//!
+//! Optional hooks, detected with `requires` (an engine without them is unchanged):
+//! - `reserve(request, slots)`: before a forward that writes slots `[L, slots)` of `request`'s
+//!   cache, the engine makes slots `[0, slots)` addressable (maps pages: `kv_pages_to_map`).
+//! - `release(request, length)`: after a commit (or a finished prefill), slots from `length` on
+//!   are free; the engine may unmap whole pages past it (`kv_pages_releasable`).
+//! - `max_context()`: the most slots a request may use. Without it the cache's capacity is the
+//!   context, which for a lazily mapped cache is only what is mapped now.
+//!
+//! The single-request `decoder` passes request id 0 to the hooks.
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/kv_cache.hpp>
+#include <medusa/tree/mask.hpp>
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+MEDUSA_NAMESPACE_BEGIN
+
+// ------------------------------------------------------------------------------------------------
+// One request per forward
+// ------------------------------------------------------------------------------------------------
+
+//! One forward call of one request: `T = tokens.size()` new tokens whose K/V the model appends at
+//! cache slots `[cache_length, cache_length + T)`.
+//!
+//! Output layout: row-major, one row per output token, rows `first_output_row .. T-1` in batch
+//! order: `logits[(i - first_output_row) * vocab + v]`, `hidden[(i - first_output_row) * hidden_size + c]`.
+//! An empty output span means "not wanted".
+struct forward_batch {
+  std::span<const std::int32_t> tokens;     //!< `[T]` token ids
+  std::span<const std::int32_t> positions;  //!< `[T]` absolute positions (RoPE): `L + depth` in a tree step
+  int cache_length = 0;                     //!< `L`: committed slots `[0, L)` are visible to every token
+  //! Visibility among the new tokens: empty = causal (token i sees new tokens 0..i); otherwise the
+  //! tree's packed mask (`T` rows; token i sees token j iff `tree_mask.visible(i, j)`), e.g.
+  //! `medusa::tree::mask_view()`.
+  tree_mask_view tree_mask = {};
+  int first_output_row = 0;                 //!< logits/hidden are wanted for rows `[first_output_row, T)`
+  std::span<float> logits;                  //!< `[T - first_output_row][vocab]`
+  std::span<float> hidden;                  //!< `[T - first_output_row][hidden]`: final-normed states (lm_head input)
+};
+
+//! An engine's model as the single-request `decoder` drives it.
+//!
+//! - `forward(batch)` runs `batch.tokens` at `batch.positions`, writes their K/V at slots
+//!   `[L, L+T)` of `kv_cache()`, and fills logits and hidden states of the requested rows.
+//! - `kv_cache()` returns a writable `kv_cache_view` over all layers, or a range of writable views
+//!   (one per layer, `kv_layer_views`); the decoder commits accepted paths in it (any layout whose
+//!   mapping satisfies `kv_layout_mapping`); its capacity bounds the context unless the model has
+//!   `max_context()`.
+//! - `vocab_size()`, `hidden_size()`.
+template <class M>
+concept decoder_model = requires(M& m, const forward_batch& batch) {
+  { m.vocab_size() } -> std::convertible_to<int>;
+  { m.hidden_size() } -> std::convertible_to<int>;
+  m.forward(batch);
+  { m.kv_cache() } -> writable_kv_cache;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Several requests per forward (continuous batching)
+// ------------------------------------------------------------------------------------------------
+
+//! One forward call over the new tokens of B requests, concatenated (a ragged batch, in
+//! FlashInfer's `qo_indptr` layout). Request `b` owns rows `[qo_indptr[b], qo_indptr[b+1])`:
+//! `n_b` tokens whose K/V go to slots `[cache_lengths[b], cache_lengths[b] + n_b)` of
+//! `kv_cache(requests[b])`, and which see that request's committed slots `[0, cache_lengths[b])`.
+//!
+//! Within a request, visibility is causal when `tree_mask` is empty; otherwise the request's
+//! tokens are the first `n_b` nodes of the tree (`n_b = 1` is a plain step: the root sees itself)
+//! and token i sees token j iff `tree_mask.visible(i, j)`, i and j local to the request. Requests
+//! never see each other.
+//!
+//! Output layout, row-major: with `last_row_only == false`, one row per token in batch order
+//! (`logits[t * vocab + v]`, `t` in `[0, T)`); with `true`, one row per request, its last token
+//! (`logits[b * vocab + v]`, as a prefill wants). The same for `hidden` (final-normed states).
+//! An empty output span means "not wanted".
+struct ragged_batch {
+  std::span<const int> requests;            //!< `[B]` the engine's request ids
+  std::span<const int> qo_indptr;           //!< `[B + 1]`, `qo_indptr[0] == 0`, non-decreasing, `qo_indptr[B] == T`
+  std::span<const std::int32_t> tokens;     //!< `[T]` token ids
+  std::span<const std::int32_t> positions;  //!< `[T]` absolute positions (RoPE)
+  std::span<const int> cache_lengths;       //!< `[B]` committed slots of each request
+  tree_mask_view tree_mask = {};            //!< empty = causal within each request; else the shared tree
+  bool last_row_only = false;               //!< outputs for each request's last row only (`[B]` rows)
+  std::span<float> logits;                  //!< `[T or B][vocab]`
+  std::span<float> hidden;                  //!< `[T or B][hidden]`
+
+  //! Number of requests.
+  [[nodiscard]] int size() const noexcept { return static_cast<int>(requests.size()); }
+  //! Tokens of request `b`.
+  [[nodiscard]] int count(int b) const noexcept {
+    return qo_indptr[static_cast<std::size_t>(b) + 1] - qo_indptr[static_cast<std::size_t>(b)];
+  }
+};
+
+//! An engine's model as `batch_decoder` drives it: `forward(ragged_batch)` and one KV cache per
+//! request (`kv_cache(request)`: a writable view, or per-layer views), plus `vocab_size()` and
+//! `hidden_size()`. The hooks of the file comment are optional.
+template <class M>
+concept batch_decoder_model = requires(M& m, const ragged_batch& batch, int request) {
+  { m.vocab_size() } -> std::convertible_to<int>;
+  { m.hidden_size() } -> std::convertible_to<int>;
+  m.forward(batch);
+  { m.kv_cache(request) } -> writable_kv_cache;
+};
+
+//! A model that maps cache pages on demand: `reserve(request, slots)`.
+template <class M>
+concept kv_reserving_model = requires(M& m, int request, int slots) { m.reserve(request, slots); };
+//! A model that frees cache pages past a request's length: `release(request, length)`.
+template <class M>
+concept kv_releasing_model = requires(M& m, int request, int length) { m.release(request, length); };
+//! A model whose context is bounded apart from what its cache maps now: `max_context()`.
+template <class M>
+concept context_bounded_model = requires(const M& m) {
+  { m.max_context() } -> std::convertible_to<int>;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Draft heads
+// ------------------------------------------------------------------------------------------------
+
+//! Draft heads as the decoders drive them: `forward(hidden [d], logits [num_heads][vocab])`.
+template <class H>
+concept draft_heads = requires(H& h, std::span<const float> hidden, std::span<float> logits) {
+  { h.num_heads() } -> std::convertible_to<int>;
+  h.forward(hidden, logits);
+};
+
+//! Draft heads that also take several hidden states at once (`batch_decoder` uses this form when
+//! present: the head weights are read once for the whole batch):
+//! `forward(hidden [rows][d], rows, logits [rows][num_heads][vocab])`.
+template <class H>
+concept batched_draft_heads =
+    draft_heads<H> && requires(H& h, std::span<const float> hidden, int rows, std::span<float> logits) {
+      h.forward(hidden, rows, logits);
+    };
+
+//! No draft heads: plain decoding through `batch_decoder` with a root-only tree.
+struct no_heads {
+  [[nodiscard]] static constexpr int num_heads() noexcept { return 0; }
+  void forward(std::span<const float>, std::span<float>) const noexcept {}
+};
+
+//! Adapts a `head_stack` (heads.hpp) and a GEMM policy to `batched_draft_heads`. Owns the
+//! stack's forward workspace, sized for one hidden state and grown (once) for larger batches.
+template <class Stack, class Gemm>
+class head_stack_runner {
+ public:
+  //! Neither `stack` nor `gemm` is owned; both must outlive the runner.
+  head_stack_runner(const Stack& stack, Gemm& gemm)
+      : stack_(&stack), gemm_(&gemm), workspace_(stack.workspace_size(1)) {}
+  //! The same from pointers (neither may be null).
+  head_stack_runner(const Stack* stack, Gemm* gemm) : head_stack_runner(*stack, *gemm) {}
+
+  //! Number of heads of the stack.
+  [[nodiscard]] int num_heads() const { return static_cast<int>(stack_->num_heads()); }
+  //! Head logits `[K][V]` of one hidden state.
+  void forward(std::span<const float> hidden, std::span<float> logits) { forward(hidden, 1, logits); }
+  //! Head logits `[rows][K][V]` of `rows` hidden states `[rows][d]`.
+  void forward(std::span<const float> hidden, int rows, std::span<float> logits) {
+    const auto m = static_cast<std::size_t>(rows);
+    if (workspace_.size() < stack_->workspace_size(m)) workspace_.resize(stack_->workspace_size(m));
+    stack_->forward(*gemm_, hidden, m, logits, workspace_);
+  }
+
+ private:
+  const Stack* stack_;
+  Gemm* gemm_;
+  std::vector<float> workspace_;
+};
+
+MEDUSA_NAMESPACE_END

@@ -1,0 +1,499 @@
+// SPDX-License-Identifier: Apache-2.0
+// batch_decoder on a serving engine built here over the tiny transformer: one paged KV pool that
+// all requests share, pages mapped on demand and unmapped after commits, scrambled page order.
+// Every request of a batch, whatever joins and leaves around it, must get exactly the tokens it
+// gets decoded alone; a request that fails must fail alone.
+#include "tiny_transformer.hpp"
+
+#include <medusa/decoder.hpp>
+#include <medusa/tree.hpp>
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+using tiny::oracle_heads;
+using tiny::random_heads;
+using tiny::tiny_model;
+
+// The pool ran out of pages (what a real engine would answer with preemption).
+struct pool_exhausted : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A ragged-batch engine over tiny_model's weights with a lazily mapped paged pool.
+class paged_engine {
+ public:
+  static constexpr int page_size = 4;
+
+  paged_engine(const tiny_model& weights, int pool_pages, int max_context, int max_requests, bool bound_context = true)
+      : w_(weights), pool_pages_(pool_pages), max_context_(max_context), bound_(bound_context),
+        tables_(static_cast<std::size_t>(max_requests)) {
+    const std::size_t elems = static_cast<std::size_t>(pool_pages) * page_size * tiny_model::layers *
+                              tiny_model::kv_heads * tiny_model::head_dim;
+    k_.assign(elems, std::numeric_limits<float>::quiet_NaN());  // unwritten slots must never be read
+    v_.assign(elems, std::numeric_limits<float>::quiet_NaN());
+    // Pages are handed out from the back of the free list in a scrambled order (a permutation
+    // when gcd(5, pages) = 1, else descending), so block tables are far from sequential.
+    for (int p = 0; p < pool_pages; ++p)
+      free_.push_back(static_cast<std::int32_t>(std::gcd(5, pool_pages) == 1 ? (p * 5 + 3) % pool_pages : p));
+  }
+
+  int vocab_size() const { return tiny_model::vocab; }
+  int hidden_size() const { return tiny_model::dim; }
+
+  medusa::paged_kv_cache_view<float> kv_cache(int r) {
+    const auto& t = table(r);
+    return medusa::make_paged_kv_view<float>(k_, v_, {tiny_model::layers, tiny_model::kv_heads, tiny_model::head_dim},
+                                             page_size, medusa::kv_layout::nhd, t);
+  }
+
+  void reserve(int r, int slots) {
+    auto& t = table(r);
+    REQUIRE(slots <= max_context_);
+    const int need = medusa::kv_pages_to_map(static_cast<int>(t.size()), 0, slots, page_size);
+    if (need > static_cast<int>(free_.size()))
+      throw pool_exhausted("request " + std::to_string(r) + " needs " + std::to_string(need) + " pages, " +
+                           std::to_string(free_.size()) + " are free");
+    for (int i = 0; i < need; ++i) {
+      t.push_back(free_.back());
+      free_.pop_back();
+    }
+    in_use_ += need;
+    peak_ = std::max(peak_, in_use_);
+    ++reserves;
+  }
+
+  void release(int r, int length) {
+    auto& t = table(r);
+    const int n = medusa::kv_pages_releasable(static_cast<int>(t.size()), length, page_size);
+    for (int i = 0; i < n; ++i) {
+      free_.push_back(t.back());
+      t.pop_back();
+    }
+    in_use_ -= n;
+    ++releases;
+  }
+
+  int max_context() const { return bound_ ? max_context_ : 0; }
+
+  void forward(const medusa::ragged_batch& b) {
+    ++forward_calls;
+    REQUIRE(b.qo_indptr.size() == b.requests.size() + 1);
+    REQUIRE(b.qo_indptr[0] == 0);
+    REQUIRE(b.qo_indptr.back() == static_cast<int>(b.tokens.size()));
+    max_requests_in_pass = std::max(max_requests_in_pass, b.size());
+    const std::size_t V = tiny_model::vocab, d = tiny_model::dim;
+    for (int i = 0; i < b.size(); ++i) {
+      const int r = b.requests[static_cast<std::size_t>(i)];
+      const auto r0 = static_cast<std::size_t>(b.qo_indptr[static_cast<std::size_t>(i)]);
+      const int n = b.count(i);
+      REQUIRE(n >= 1);
+      medusa::forward_batch f;
+      f.tokens = b.tokens.subspan(r0, static_cast<std::size_t>(n));
+      f.positions = b.positions.subspan(r0, static_cast<std::size_t>(n));
+      f.cache_length = b.cache_lengths[static_cast<std::size_t>(i)];
+      f.tree_mask = b.tree_mask;
+      f.first_output_row = b.last_row_only ? n - 1 : 0;
+      const std::size_t out0 = b.last_row_only ? static_cast<std::size_t>(i) : r0;
+      const std::size_t rows = static_cast<std::size_t>(n - f.first_output_row);
+      f.logits = b.logits.subspan(out0 * V, rows * V);
+      f.hidden = b.hidden.subspan(out0 * d, rows * d);
+      w_.run(kv_cache(r), f);
+      if (corrupt) corrupt(r, f.logits);
+    }
+  }
+
+  [[nodiscard]] int pages_in_use() const { return in_use_; }
+  [[nodiscard]] int peak_pages() const { return peak_; }
+  [[nodiscard]] int pages_mapped(int r) { return static_cast<int>(table(r).size()); }
+
+  int forward_calls = 0, reserves = 0, releases = 0, max_requests_in_pass = 0;
+  std::function<void(int request, std::span<float> logits)> corrupt;  // fault injection
+
+ private:
+  std::vector<std::int32_t>& table(int r) {
+    REQUIRE(r >= 0);
+    REQUIRE(r < static_cast<int>(tables_.size()));
+    return tables_[static_cast<std::size_t>(r)];
+  }
+
+  const tiny_model& w_;
+  int pool_pages_, max_context_;
+  bool bound_;
+  std::vector<float> k_, v_;
+  std::vector<std::vector<std::int32_t>> tables_;
+  std::vector<std::int32_t> free_;
+  int in_use_ = 0, peak_ = 0;
+};
+
+static_assert(medusa::batch_decoder_model<paged_engine>);
+static_assert(medusa::kv_reserving_model<paged_engine>);
+static_assert(medusa::kv_releasing_model<paged_engine>);
+static_assert(medusa::context_bounded_model<paged_engine>);
+
+// Prompts of different lengths.
+std::vector<std::int32_t> prompt_of(int i) {
+  std::vector<std::int32_t> p;
+  const int len = 3 + (i * 5) % 11;
+  for (int t = 0; t < len; ++t) p.push_back((t * 7 + i * 13 + 1) % tiny_model::vocab);
+  return p;
+}
+
+// Runs a scripted batch: request i joins before step join_at[i] or, when the batch is full, as soon
+// as there is room; a request in leave_at leaves before that step. Returns each finished request's result.
+template <class Decoder>
+std::map<int, medusa::decode_result> run_script(Decoder& dec, const std::vector<int>& join_at,
+                                                const std::map<int, int>& leave_at, const medusa::decode_options& opt,
+                                                std::map<int, std::vector<std::int32_t>>* streamed = nullptr) {
+  std::map<int, medusa::decode_result> out;
+  int step = 0;
+  const int n = static_cast<int>(join_at.size());
+  std::vector<bool> joined(join_at.size(), false);
+  while (true) {
+    for (const auto& [id, at] : leave_at)
+      if (at == step && dec.contains(id)) dec.leave(id);
+    // Requests due by now join in order while there is room (a scheduler's waiting queue).
+    for (int i = 0; i < n; ++i)
+      if (!joined[static_cast<std::size_t>(i)] && join_at[static_cast<std::size_t>(i)] <= step &&
+          dec.size() < dec.max_batch()) {
+        dec.join(i, prompt_of(i), opt);
+        joined[static_cast<std::size_t>(i)] = true;
+      }
+    const bool pending_joins = std::find(joined.begin(), joined.end(), false) != joined.end();
+    if (dec.empty() && !pending_joins) break;
+    for (auto& u : dec.step()) {
+      if (streamed != nullptr) (*streamed)[u.request].insert((*streamed)[u.request].end(), u.tokens.begin(), u.tokens.end());
+      if (u.finished) {
+        INFO(u.error_message());
+        CHECK(u.reason != medusa::stop_reason::failed);
+        out[u.request] = std::move(u.result);
+      }
+    }
+    ++step;
+    REQUIRE(step < 10000);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a batch with joins and leaves gives each request exactly its tokens alone (greedy)") {
+  tiny_model weights(512);
+  medusa::decode_options opt;
+  opt.max_new_tokens = 48;
+  const int requests = 7;
+  std::vector<medusa::decode_result> alone;
+  for (int i = 0; i < requests; ++i) alone.push_back(medusa::generate_vanilla(weights, prompt_of(i), medusa::greedy_policy{}, opt));
+
+  // Oracle heads know every request's continuation ("trained" heads: deep acceptance).
+  oracle_heads oracle{5, {}, {}};
+  for (int i = 0; i < requests; ++i) {
+    auto seq = prompt_of(i);
+    seq.insert(seq.end(), alone[static_cast<std::size_t>(i)].tokens.begin(), alone[static_cast<std::size_t>(i)].tokens.end());
+    oracle.more_states.push_back(tiny::states_of(weights, seq));
+    oracle.more_sequences.push_back(std::move(seq));
+  }
+  random_heads rnd(5, 11);
+  const std::vector<int> join_at = {0, 0, 0, 2, 3, 3, 9};
+  const std::map<int, int> leave_at = {{2, 4}};  // request 2 leaves mid-way
+
+  auto check = [&](auto& heads, const medusa::tree& tree) {
+    paged_engine eng(weights, 600, 256, requests);
+    medusa::batch_decoder dec(eng, heads, tree, medusa::greedy_policy{}, 4);
+    std::map<int, std::vector<std::int32_t>> streamed;
+    const auto out = run_script(dec, join_at, leave_at, opt, &streamed);
+    CHECK(out.size() == requests - 1);
+    CHECK(out.count(2) == 0);
+    int tree_steps = 0;
+    for (const auto& [id, res] : out) {
+      CAPTURE(id);
+      CHECK(res.tokens == alone[static_cast<std::size_t>(id)].tokens);
+      CHECK(streamed[id] == res.tokens);
+      CHECK(res.reason == medusa::stop_reason::max_tokens);
+      CHECK(res.stats.prompt_tokens == static_cast<int>(prompt_of(id).size()));
+      tree_steps += res.stats.tree_steps;
+    }
+    // Request 2 streamed a prefix of its own tokens before it left.
+    const auto& t2 = alone[2].tokens;
+    CHECK(streamed[2].size() < t2.size());
+    CHECK(std::equal(streamed[2].begin(), streamed[2].end(), t2.begin()));
+    CHECK(tree_steps > 0);
+    CHECK(eng.max_requests_in_pass == 4);  // the batch was full at times, and shared passes
+    return out;
+  };
+  SUBCASE("oracle heads") {
+    const auto out = check(oracle, medusa::tree::preset("mc_sim_7b_63"));
+    for (const auto& [id, res] : out) CHECK(res.stats.mean_accepted() > 1.8);
+  }
+  SUBCASE("random heads") { check(rnd, medusa::tree::preset("vicuna_7b_stage2")); }
+}
+
+TEST_CASE("pages are mapped on demand and released after each commit") {
+  tiny_model weights(512);
+  random_heads heads(5, 3);
+  const medusa::tree tree = medusa::tree::preset("mc_sim_7b_63");  // 64 nodes = 16 pages per tree pass
+  const int n = tree.num_nodes();
+  const int ps = paged_engine::page_size;
+  paged_engine eng(weights, 200, 256, 4);
+  medusa::batch_decoder dec(eng, heads, tree, medusa::greedy_policy{}, 4);
+  medusa::decode_options opt;
+  opt.max_new_tokens = 30;
+  for (int i = 0; i < 3; ++i) dec.join(i, prompt_of(i), opt);
+  CHECK(eng.pages_in_use() == 0);  // joining maps nothing
+  int peak_bound = 0;              // the most pages the three could hold at once: L + N each
+  while (!dec.empty()) {
+    std::vector<int> lengths;
+    for (int i = 0; i < 3; ++i) lengths.push_back(dec.contains(i) ? dec.length(i) : -1);
+    for (auto& u : dec.step()) {
+      if (u.finished) {
+        eng.release(u.request, 0);  // the engine frees a finished request
+        continue;
+      }
+      // After the commit only the pages of the committed slots stay mapped.
+      CHECK(eng.pages_mapped(u.request) == medusa::kv_pages_for(dec.length(u.request), ps));
+    }
+    int bound = 0;
+    for (int i = 0; i < 3; ++i)
+      if (lengths[static_cast<std::size_t>(i)] >= 0)
+        bound += medusa::kv_pages_for(std::max(lengths[static_cast<std::size_t>(i)], static_cast<int>(prompt_of(i).size())) + n, ps);
+    peak_bound = std::max(peak_bound, bound);
+  }
+  CHECK(eng.pages_in_use() == 0);
+  CHECK(eng.peak_pages() > 0);
+  CHECK(eng.peak_pages() <= peak_bound);
+  // Far below what mapping every request's whole context up front would take (3 × 64 pages).
+  CHECK(eng.peak_pages() < 3 * 256 / ps / 2);
+  CHECK(eng.reserves > 0);
+  CHECK(eng.releases > 0);
+}
+
+TEST_CASE("a lazily mapped cache with max_context runs tree steps alone too") {
+  tiny_model weights(512);
+  random_heads heads(5, 3);
+  paged_engine eng(weights, 100, 256, 1);
+  medusa::decode_options opt;
+  opt.max_new_tokens = 40;
+  const auto p = prompt_of(1);
+  const auto alone = medusa::generate_vanilla(weights, p, medusa::greedy_policy{}, opt);
+  medusa::batch_decoder dec(eng, heads, medusa::tree::preset("vicuna_7b_stage2"), medusa::greedy_policy{}, 1);
+  dec.join(0, p, opt);
+  medusa::decode_result res;
+  while (!dec.empty())
+    for (auto& u : dec.step())
+      if (u.finished) res = std::move(u.result);
+  CHECK(res.tokens == alone.tokens);
+  CHECK(res.stats.tree_steps > 0);
+  CHECK(eng.peak_pages() <= medusa::kv_pages_for(static_cast<int>(p.size()) + 40 + 64, paged_engine::page_size));
+
+  SUBCASE("without max_context the prompt cannot fit, and the error says why") {
+    paged_engine unbounded(weights, 100, 256, 1, /*bound_context=*/false);
+    static_assert(medusa::context_bounded_model<paged_engine>);  // (reports 0 here)
+    medusa::batch_decoder d2(unbounded, heads, medusa::tree::preset("vicuna_7b_stage2"), medusa::greedy_policy{}, 1);
+    CHECK_THROWS_WITH_AS(d2.join(0, p, opt), doctest::Contains("does not fit the context of 0 tokens"),
+                         medusa::decode_error);
+  }
+}
+
+TEST_CASE("the context limit: tree steps near the end fall back to single steps, then context_full") {
+  tiny_model weights(512);
+  random_heads heads(5, 5);
+  const medusa::tree tree = medusa::tree::preset("vicuna_7b_stage2");
+  medusa::decode_options opt;
+  opt.max_new_tokens = 500;
+  const auto p = prompt_of(2);
+  tiny_model small(static_cast<int>(p.size()) + 70);
+  const auto alone = medusa::generate_vanilla(small, p, medusa::greedy_policy{}, opt);
+  REQUIRE(alone.reason == medusa::stop_reason::context_full);
+  paged_engine eng(weights, 200, static_cast<int>(p.size()) + 70, 2);
+  medusa::batch_decoder dec(eng, heads, tree, medusa::greedy_policy{}, 2);
+  dec.join(0, p, opt);
+  medusa::decode_result res;
+  while (!dec.empty())
+    for (auto& u : dec.step())
+      if (u.finished) res = std::move(u.result);
+  CHECK(res.reason == medusa::stop_reason::context_full);
+  CHECK(res.tokens == alone.tokens);
+  CHECK(res.stats.tree_steps >= 1);
+}
+
+TEST_CASE("sampling in a batch draws each request's own stream: the tokens it gets alone") {
+  tiny_model weights(512);
+  random_heads heads(4, 9);
+  medusa::rejection_policy policy;
+  policy.temperature = 0.9f;
+  const medusa::tree tree = medusa::tree::preset("mc_sim_7b_63");
+  medusa::decode_options opt;
+  opt.max_new_tokens = 40;
+  std::vector<medusa::decode_result> alone;
+  for (int i = 0; i < 3; ++i) {
+    opt.seed = 100 + static_cast<std::uint64_t>(i);
+    medusa::decoder single(weights, heads, tree, policy);
+    alone.push_back(single.generate(prompt_of(i), opt));
+  }
+  paged_engine eng(weights, 300, 256, 3);
+  medusa::batch_decoder dec(eng, heads, tree, policy, 3);
+  for (int i = 0; i < 3; ++i) {
+    opt.seed = 100 + static_cast<std::uint64_t>(i);
+    dec.join(i, prompt_of(i), opt);
+  }
+  std::map<int, medusa::decode_result> out;
+  while (!dec.empty())
+    for (auto& u : dec.step())
+      if (u.finished) out[u.request] = std::move(u.result);
+  for (int i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(out[i].tokens == alone[static_cast<std::size_t>(i)].tokens);
+  }
+  CHECK(out[0].tokens != out[1].tokens);
+}
+
+TEST_CASE("plain batched decoding (no heads, the one-node tree) equals plain decoding") {
+  tiny_model weights(512);
+  medusa::decode_options opt;
+  opt.max_new_tokens = 25;
+  paged_engine eng(weights, 200, 256, 5);
+  medusa::no_heads none;
+  medusa::batch_decoder dec(eng, none, medusa::plain_tree{}, medusa::greedy_policy{}, 5);
+  const auto out = run_script(dec, {0, 0, 1, 1, 6}, {}, opt);
+  REQUIRE(out.size() == 5);
+  for (const auto& [id, res] : out) {
+    CAPTURE(id);
+    CHECK(res.tokens == medusa::generate_vanilla(weights, prompt_of(id), medusa::greedy_policy{}, opt).tokens);
+    CHECK(res.stats.tree_steps == 0);
+    CHECK(res.stats.steps == 24);
+  }
+}
+
+TEST_CASE("a request that fails is reported with its id; the others go on") {
+  tiny_model weights(512);
+  random_heads heads(5, 11);
+  const medusa::tree tree = medusa::tree::preset("vicuna_7b_stage2");
+  medusa::decode_options opt;
+  opt.max_new_tokens = 30;
+  std::vector<std::vector<std::int32_t>> alone;
+  for (int i = 0; i < 3; ++i) alone.push_back(medusa::generate_vanilla(weights, prompt_of(i), medusa::greedy_policy{}, opt).tokens);
+
+  auto run = [&](paged_engine& eng, int bad, int good_expected) {
+    medusa::batch_decoder dec(eng, heads, tree, medusa::greedy_policy{}, 3);
+    for (int i = 0; i < 3; ++i) dec.join(i, prompt_of(i), opt);
+    std::map<int, medusa::request_update> finished;
+    while (!dec.empty())
+      for (auto& u : dec.step())
+        if (u.finished) finished[u.request] = std::move(u);
+    REQUIRE(finished.size() == 3);
+    CHECK(finished[bad].reason == medusa::stop_reason::failed);
+    CHECK(finished[bad].error != nullptr);
+    int good = 0;
+    for (int i = 0; i < 3; ++i)
+      if (i != bad) {
+        CAPTURE(i);
+        CHECK(finished[i].reason == medusa::stop_reason::max_tokens);
+        CHECK(finished[i].result.tokens == alone[static_cast<std::size_t>(i)]);
+        ++good;
+      }
+    CHECK(good == good_expected);
+    return finished[bad].error_message();
+  };
+
+  SUBCASE("NaN logits of one request after a few steps") {
+    paged_engine eng(weights, 300, 256, 3);
+    int calls = 0;
+    eng.corrupt = [&](int r, std::span<float> z) {
+      if (r == 1 && ++calls == 4) z[3] = std::numeric_limits<float>::quiet_NaN();
+    };
+    CHECK(run(eng, 1, 2).find("NaN") != std::string::npos);
+  }
+  SUBCASE("+Inf in a plain step's logits (the first root)") {
+    paged_engine eng(weights, 300, 256, 3);
+    eng.corrupt = [&](int r, std::span<float> z) {
+      if (r == 2 && z.size() == tiny_model::vocab) z[0] = std::numeric_limits<float>::infinity();
+    };
+    CHECK(!run(eng, 2, 2).empty());
+  }
+  SUBCASE("the engine cannot map pages for one request") {
+    // 3 requests of up to ~16 + 30 + 64 slots: 30 pages each at most. Starve the pool so the
+    // third reservation of a step fails while the others fit.
+    paged_engine eng(weights, 2 * 30 + 3, 256, 3);
+    const std::string msg = run(eng, 2, 2);
+    CHECK(msg.find("request 2 needs") != std::string::npos);
+  }
+  SUBCASE("a token callback that throws") {
+    paged_engine eng(weights, 300, 256, 3);
+    medusa::batch_decoder dec(eng, heads, tree, medusa::greedy_policy{}, 3);
+    for (int i = 0; i < 3; ++i)
+      dec.join(i, prompt_of(i), opt, [i](std::int32_t) -> bool {
+        if (i == 0) throw std::runtime_error("client went away");
+        return true;
+      });
+    std::map<int, medusa::request_update> finished;
+    while (!dec.empty())
+      for (auto& u : dec.step())
+        if (u.finished) finished[u.request] = std::move(u);
+    CHECK(finished[0].reason == medusa::stop_reason::failed);
+    CHECK(finished[0].error_message() == "client went away");
+    CHECK(finished[1].result.tokens == alone[1]);
+    CHECK(finished[2].result.tokens == alone[2]);
+  }
+}
+
+TEST_CASE("join and leave reject bad input with a decode_error and change nothing") {
+  tiny_model weights(512);
+  random_heads heads(5, 11);
+  paged_engine eng(weights, 100, 64, 4);
+  medusa::batch_decoder dec(eng, heads, medusa::tree::preset("vicuna_7b_stage2"), medusa::greedy_policy{}, 2);
+  medusa::decode_options opt;
+  dec.join(0, prompt_of(0), opt);
+  CHECK_THROWS_WITH_AS(dec.join(0, prompt_of(1), opt), doctest::Contains("already in the batch"), medusa::decode_error);
+  CHECK_THROWS_WITH_AS(dec.join(1, {}, opt), doctest::Contains("empty"), medusa::decode_error);
+  CHECK_THROWS_WITH_AS(dec.join(1, std::vector<std::int32_t>(65, 1), opt), doctest::Contains("does not fit the context of 64"),
+                       medusa::decode_error);
+  CHECK_THROWS_WITH_AS(dec.join(1, std::vector<std::int32_t>{1, 40}, opt), doctest::Contains("outside the vocabulary"),
+                       medusa::decode_error);
+  medusa::decode_options bad = opt;
+  bad.max_new_tokens = -1;
+  CHECK_THROWS_AS(dec.join(1, prompt_of(1), bad), medusa::decode_error);
+  bad = opt;
+  bad.prefill_chunk = 0;
+  CHECK_THROWS_AS(dec.join(1, prompt_of(1), bad), medusa::decode_error);
+  CHECK_THROWS_WITH_AS(dec.leave(5), doctest::Contains("not in the batch"), medusa::decode_error);
+  CHECK(dec.size() == 1);
+  dec.join(1, prompt_of(1), opt);
+  CHECK_THROWS_WITH_AS(dec.join(2, prompt_of(2), opt), doctest::Contains("batch is full"), medusa::decode_error);
+  CHECK(dec.size() == 2);
+  dec.leave(1);
+  CHECK(dec.size() == 1);
+  CHECK(!dec.contains(1));
+  CHECK_THROWS_AS((medusa::batch_decoder(eng, heads, medusa::tree::preset("vicuna_7b_stage2"), medusa::greedy_policy{}, 0)),
+                  medusa::decode_error);
+}
+
+TEST_CASE("an empty batch steps to nothing; a request wanting no tokens ends at once") {
+  tiny_model weights(512);
+  random_heads heads(5, 11);
+  paged_engine eng(weights, 100, 256, 2);
+  medusa::batch_decoder dec(eng, heads, medusa::tree::preset("vicuna_7b_stage2"), medusa::greedy_policy{}, 2);
+  CHECK(dec.step().empty());
+  medusa::decode_options opt;
+  opt.max_new_tokens = 0;
+  dec.join(0, prompt_of(0), opt);
+  const auto ups = dec.step();
+  REQUIRE(ups.size() == 1);
+  CHECK(ups[0].finished);
+  CHECK(ups[0].tokens.empty());
+  CHECK(ups[0].reason == medusa::stop_reason::max_tokens);
+  CHECK(eng.forward_calls == 0);
+  CHECK(dec.empty());
+}
