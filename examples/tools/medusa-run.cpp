@@ -7,20 +7,25 @@
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights int8|bf16|f32]
 //              [--threads N] [--json]
+//   medusa-run ... --prompts-file F [--batch N]     many prompts, N at a time (continuous batching)
 #include <medusa/dispatch.hpp>
 #include <medusa/io.hpp>
 #include <medusa/medusa.hpp>
 
+#include <medusa_llama/batch_engine.hpp>
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/load.hpp>
 #include <medusa_llama/packed_heads.hpp>
+#include <medusa_train/selfdistill.hpp>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "tool_common.hpp"
 
+#include <chrono>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -38,7 +43,8 @@ using medusa_tools::usage_error;
 enum class run_mode { vanilla, medusa, both };
 
 struct run_args {
-  std::string model, tokenizer, heads, tree = "mc_sim_7b_63", policy = "greedy", prompt, prompt_file;
+  std::string model, tokenizer, heads, tree = "mc_sim_7b_63", policy = "greedy", prompt, prompt_file, prompts_file;
+  std::optional<int> batch;  // requests at once with --prompts-file (default 1)
   run_mode mode = run_mode::medusa;
   std::optional<float> temperature;  // unset: the policy's default
   float top_p = 1.0f;
@@ -127,9 +133,211 @@ nlohmann::json to_json(const run_report& r) {
 // The policies medusa-run offers (speculative_policy needs draft distributions it has none of).
 using run_policies = medusa::policy_list<medusa::greedy_policy, medusa::typical_policy, medusa::rejection_policy>;
 
-int run(const run_args& a) {
+// The heads `--heads` names (a file or directory, or random:K[:SEED]), checked against the model
+// and the tree.
+medusa::head_weights load_head_weights(const run_args& a, const medusa_llama::model& m, const medusa::tree& tree) {
+  const auto& cfg = m.config();
+  if (a.heads.empty())
+    throw usage_error("--mode " + std::string(a.mode == run_mode::both ? "both" : "medusa") +
+                      " needs --heads (a heads file or directory, or random:K[:SEED])");
+  medusa::head_weights head_w;
+  if (a.heads.rfind("random:", 0) == 0) {
+    head_w = parse_random_heads(a.heads, m);
+  } else {
+    medusa::head_load_options opt;
+    opt.hidden_size = static_cast<std::size_t>(cfg.dim);
+    opt.vocab_size = static_cast<std::size_t>(cfg.vocab_size);
+    opt.min_heads = static_cast<std::size_t>(tree.depth());
+    opt.dtype = medusa::weight_dtype::f32;
+    auto loaded = medusa::load_heads(a.heads, opt);
+    for (const auto& w : loaded.warnings) std::fprintf(stderr, "medusa-run: warning: %s\n", w.message.c_str());
+    head_w = std::move(loaded.heads);
+  }
+  if (static_cast<int>(head_w.num_heads()) < tree.depth())
+    throw medusa::decode_error("the tree is " + std::to_string(tree.depth()) + " deep but only " +
+                               std::to_string(head_w.num_heads()) + " heads are loaded");
+  return head_w;
+}
+
+// The heads as the engine runs them: a per-head stack, or a shared-lm_head stack over the model's
+// classifier. Only the heads the tree reaches are packed.
+template <class Engine>
+medusa_llama::packed_heads pack_heads(Engine& eng, const medusa::head_weights& w, const run_args& a, int depth) {
+  const auto stack = w.kind() == medusa::projection_kind::per_head
+                         ? w.view()
+                         : w.view(medusa::weight_ptr::of(eng.weights().classifier()),
+                                  static_cast<std::size_t>(eng.config().vocab_size));
+  // Their precision only changes which drafts are proposed (the model verifies every one), so
+  // int8 is the default.
+  return medusa_llama::packed_heads(eng, stack, a.head_weights, depth);
+}
+
+// Tokenized prompt (BOS first) that leaves room for at least one new token.
+std::vector<std::int32_t> encode_prompt(const medusa_llama::tokenizer& tok, const std::string& text, int seq_len,
+                                        const std::string& what) {
+  std::vector<std::int32_t> prompt;
+  for (int id : tok.encode(text, /*bos=*/true, /*eos=*/false)) prompt.push_back(id);
+  if (prompt.size() >= static_cast<std::size_t>(seq_len))
+    throw medusa::decode_error(what + "of " + std::to_string(prompt.size()) + " tokens does not fit the context of " +
+                               std::to_string(seq_len) + " tokens (leave room for at least one new token)");
+  return prompt;
+}
+
+// One mode of a --prompts-file run: every request's result, and the wall time of the whole batch.
+struct batch_report {
+  std::string mode;
+  std::vector<medusa::decode_result> results;
+  std::vector<std::string> texts;
+  double seconds = 0;
+  int steps = 0;  // batch steps
+  [[nodiscard]] long tokens() const {
+    long n = 0;
+    for (const auto& r : results) n += r.stats.new_tokens;
+    return n;
+  }
+  [[nodiscard]] double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens()) / seconds : 0.0; }
+  // Tokens per forward pass of a request, over all requests.
+  [[nodiscard]] double mean_accepted() const {
+    long steps_all = 0;
+    for (const auto& r : results) steps_all += r.stats.steps;
+    return steps_all > 0 ? static_cast<double>(tokens()) / static_cast<double>(steps_all) : 0.0;
+  }
+};
+
+nlohmann::json to_json(const batch_report& r) {
+  return {{"tokens", r.tokens()},          {"seconds", r.seconds},
+          {"tokens_per_second", r.tokens_per_second()}, {"mean_accepted", r.mean_accepted()},
+          {"batch_steps", r.steps}};
+}
+
+// Decodes every prompt through `dec` on `eng`, at most `dec.max_batch()` at once: a request joins
+// as soon as one leaves (continuous batching). Request ids are engine slots.
+template <class Decoder>
+batch_report serve_all(Decoder& dec, medusa_llama::batch_engine& eng, const std::vector<std::vector<std::int32_t>>& prompts,
+                       const medusa::decode_options& dopt, int bos, const std::string& mode) {
+  batch_report rep;
+  rep.mode = mode;
+  rep.results.resize(prompts.size());
+  std::deque<std::size_t> waiting;
+  for (std::size_t i = 0; i < prompts.size(); ++i) waiting.push_back(i);
+  std::vector<std::size_t> client_of(static_cast<std::size_t>(dec.max_batch()));
+  std::vector<bool> busy(client_of.size(), false);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!waiting.empty() || !dec.empty()) {
+    for (std::size_t id = 0; id < busy.size() && !waiting.empty(); ++id) {
+      if (busy[id]) continue;
+      // A generated BOS starts a new document: stop there, as llama2.c's run.c does.
+      dec.join(static_cast<int>(id), prompts[waiting.front()], dopt, [bos](std::int32_t t) { return t != bos; });
+      client_of[id] = waiting.front();
+      busy[id] = true;
+      waiting.pop_front();
+    }
+    for (medusa::request_update& u : dec.step()) {
+      if (!u.finished) continue;
+      const auto id = static_cast<std::size_t>(u.request);
+      if (u.error) std::rethrow_exception(u.error);
+      eng.release(u.request, 0);
+      rep.results[client_of[id]] = std::move(u.result);
+      busy[id] = false;
+    }
+    ++rep.steps;
+  }
+  rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return rep;
+}
+
+// --prompts-file: every prompt decoded plainly and/or with Medusa, `--batch` at a time, on the
+// serving engine (one ragged forward per step over a paged KV pool).
+template <class Policy>
+int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vector<std::vector<std::int32_t>>& prompts,
+              const std::optional<medusa::tree>& tree, const medusa::head_weights& head_w, const Policy& policy) {
+  medusa_llama::batch_engine_options eo;
+  eo.threads = a.threads;
+  eo.max_requests = *a.batch;
+  eo.max_tokens = std::max(256, *a.batch * (tree ? tree->num_nodes() : 1));
+  eo.weights = a.weights;
+  medusa_llama::batch_engine eng(std::move(lm.weights), eo);
+  medusa::decode_options dopt;
+  dopt.max_new_tokens = a.max_new_tokens;
+  dopt.eos_token = lm.tok->eos_id();
+  dopt.seed = a.seed;
+  const int bos = lm.tok->bos_id();
+
+  std::vector<batch_report> reports;
+  if (a.mode != run_mode::medusa) {
+    medusa::no_heads none;
+    medusa::batch_decoder dec(eng, none, medusa::plain_tree{}, policy, *a.batch);
+    reports.push_back(serve_all(dec, eng, prompts, dopt, bos, "vanilla"));
+  }
+  if (a.mode != run_mode::vanilla) {
+    auto heads = pack_heads(eng, head_w, a, tree->depth());
+    // A preset runs on its compile-time tree, any other tree on the run-time one.
+    reports.push_back(medusa::dispatch_tree(*tree, [&](const auto& t) {
+      medusa::batch_decoder dec(eng, heads, t, policy, *a.batch);
+      return serve_all(dec, eng, prompts, dopt, bos, "medusa");
+    }));
+  }
+  for (auto& r : reports)
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      text_sink sink(*lm.tok, prompts[i].back(), false);
+      for (auto t : r.results[i].tokens) sink(t);
+      r.texts.push_back(sink.text());
+    }
+
+  // Lossless check: with greedy acceptance every request's Medusa tokens are its plain tokens.
+  std::vector<std::size_t> differ;
+  if (reports.size() == 2)
+    for (std::size_t i = 0; i < prompts.size(); ++i)
+      if (reports[0].results[i].tokens != reports[1].results[i].tokens) differ.push_back(i);
+  constexpr bool greedy = std::is_same_v<Policy, medusa::greedy_policy>;
+
+  if (a.json) {
+    for (const auto& r : reports)
+      for (std::size_t i = 0; i < prompts.size(); ++i) {
+        run_report one{r.mode, r.results[i], r.texts[i]};
+        auto j = to_json(one);
+        j["request"] = i;
+        std::printf("%s\n", j.dump().c_str());
+      }
+    nlohmann::json summary = {{"batch", *a.batch}, {"requests", prompts.size()}, {"threads", eng.threads()},
+                              {"max_new_tokens", a.max_new_tokens}};
+    for (const auto& r : reports) summary[r.mode] = to_json(r);
+    if (reports.size() == 2) {
+      summary["identical"] = differ.empty();
+      summary["differing_requests"] = differ;
+      summary["speedup"] = reports[0].tokens_per_second() > 0 ? reports[1].tokens_per_second() / reports[0].tokens_per_second() : 0.0;
+    }
+    std::printf("%s\n", summary.dump().c_str());
+  } else {
+    const auto& last = reports.back();
+    for (std::size_t i = 0; i < prompts.size(); ++i)
+      std::printf("--- request %zu (%s, %s) ---\n%s\n", i, last.mode.c_str(),
+                  std::string(medusa::to_string(last.results[i].reason)).c_str(), last.texts[i].c_str());
+    std::fflush(stdout);
+    for (const auto& r : reports)
+      std::fprintf(stderr, "%-7s %zu requests, batch %d: %ld tokens in %6.3f s: %7.1f tokens/s, %5.2f tokens/step\n",
+                   r.mode.c_str(), prompts.size(), *a.batch, r.tokens(), r.seconds, r.tokens_per_second(), r.mean_accepted());
+    if (reports.size() == 2)
+      std::fprintf(stderr, "tokens identical: %s (%zu of %zu requests differ)%s\nspeedup (medusa / vanilla tokens per second): %.2fx\n",
+                   differ.empty() ? "yes" : "no", differ.size(), prompts.size(),
+                   greedy ? "" : " (only greedy decoding is expected to match token for token)",
+                   reports[0].tokens_per_second() > 0 ? reports[1].tokens_per_second() / reports[0].tokens_per_second() : 0.0);
+  }
+  if (greedy && !differ.empty()) {
+    std::fprintf(stderr, "medusa-run: error: greedy Medusa tokens differ from plain decoding for request %zu\n", differ[0]);
+    return medusa_tools::exit_failure;
+  }
+  return medusa_tools::exit_ok;
+}
+
+int run(run_args a) {
   if (a.max_new_tokens < 0) throw usage_error("--max-new-tokens must be >= 0");
-  if (!a.prompt.empty() && !a.prompt_file.empty()) throw usage_error("give --prompt or --prompt-file, not both");
+  const int prompt_sources = !a.prompt.empty() + !a.prompt_file.empty() + !a.prompts_file.empty();
+  if (prompt_sources > 1) throw usage_error("give one of --prompt, --prompt-file and --prompts-file");
+  const bool batched = !a.prompts_file.empty();
+  if (!batched && a.batch) throw usage_error("--batch needs --prompts-file");
+  if (!a.batch) a.batch = 1;
+  if (*a.batch < 1 || *a.batch > 256) throw usage_error("--batch must be in [1, 256], got " + std::to_string(*a.batch));
   const bool want_medusa = a.mode != run_mode::vanilla;
   medusa::policy_options popt;
   popt.temperature = a.temperature;
@@ -140,37 +348,31 @@ int run(const run_args& a) {
   // Everything that can be checked is checked before the slow parts start.
   std::optional<medusa::tree> tree;
   if (want_medusa) tree = load_tree(a.tree);
-  const std::string prompt_text = a.prompt_file.empty() ? a.prompt : read_text_file(a.prompt_file);
+  std::vector<std::string> prompt_texts;
+  if (batched) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(a.prompts_file, ec)) throw usage_error("--prompts-file " + a.prompts_file + ": cannot open");
+    prompt_texts = medusa_train::prompt_set::from_file(a.prompts_file, 0.0).lines(medusa_train::split::train);
+  } else {
+    prompt_texts.push_back(a.prompt_file.empty() ? a.prompt : read_text_file(a.prompt_file));
+  }
 
   medusa_llama::loaded_model lm = medusa_llama::load(a.model, a.tokenizer);
   const auto& cfg = lm.weights.config();
-  std::vector<std::int32_t> prompt;
-  for (int id : lm.tok->encode(prompt_text, /*bos=*/true, /*eos=*/false)) prompt.push_back(id);
-  if (prompt.size() >= static_cast<std::size_t>(cfg.seq_len))
-    throw medusa::decode_error("prompt of " + std::to_string(prompt.size()) + " tokens does not fit the context of " +
-                               std::to_string(cfg.seq_len) + " tokens (leave room for at least one new token)");
-
+  std::vector<std::vector<std::int32_t>> prompts;
+  for (std::size_t i = 0; i < prompt_texts.size(); ++i)
+    prompts.push_back(encode_prompt(*lm.tok, prompt_texts[i], cfg.seq_len,
+                                    batched ? "prompt #" + std::to_string(i + 1) + " " : std::string("prompt ")));
   medusa::head_weights head_w;
-  if (want_medusa) {
-    if (a.heads.empty())
-      throw usage_error("--mode " + std::string(a.mode == run_mode::both ? "both" : "medusa") +
-                        " needs --heads (a heads file or directory, or random:K[:SEED])");
-    if (a.heads.rfind("random:", 0) == 0) {
-      head_w = parse_random_heads(a.heads, lm.weights);
-    } else {
-      medusa::head_load_options opt;
-      opt.hidden_size = static_cast<std::size_t>(cfg.dim);
-      opt.vocab_size = static_cast<std::size_t>(cfg.vocab_size);
-      opt.min_heads = static_cast<std::size_t>(tree->depth());
-      opt.dtype = medusa::weight_dtype::f32;
-      auto loaded = medusa::load_heads(a.heads, opt);
-      for (const auto& w : loaded.warnings) std::fprintf(stderr, "medusa-run: warning: %s\n", w.message.c_str());
-      head_w = std::move(loaded.heads);
-    }
-    if (static_cast<int>(head_w.num_heads()) < tree->depth())
-      throw medusa::decode_error("the tree is " + std::to_string(tree->depth()) + " deep but only " +
-                                 std::to_string(head_w.num_heads()) + " heads are loaded");
+  if (want_medusa) head_w = load_head_weights(a, lm.weights, *tree);
+
+  if (batched) {
+    int rc = 0;
+    medusa::dispatch_policy(a.policy, popt, [&](auto policy) { rc = run_batch(a, lm, prompts, tree, head_w, policy); },
+                            run_policies{});
+    return rc;
   }
+  const std::vector<std::int32_t>& prompt = prompts[0];
 
   medusa_llama::engine_options eo;
   eo.threads = a.threads;
@@ -178,17 +380,8 @@ int run(const run_args& a) {
   eo.backend = medusa_llama::gemm_backend::builtin;
   eo.weights = a.weights;
   medusa_llama::engine model(std::move(lm.weights), eo);
-  // The heads run on the engine's kernels and threads. Their precision only changes which drafts
-  // are proposed (the model verifies every one), so int8 is the default.
   std::optional<medusa_llama::packed_heads> heads;
-  if (want_medusa) {
-    const auto stack = head_w.kind() == medusa::projection_kind::per_head
-                           ? head_w.view()
-                           : head_w.view(medusa::weight_ptr::of(model.weights().classifier()),
-                                         static_cast<std::size_t>(cfg.vocab_size));
-    // Only the heads the tree reaches run.
-    heads.emplace(model, stack, a.head_weights, tree->depth());
-  }
+  if (want_medusa) heads.emplace(pack_heads(model, head_w, a, tree->depth()));
 
   medusa::decode_options dopt;
   dopt.max_new_tokens = a.max_new_tokens;
@@ -270,6 +463,9 @@ int main(int argc, char** argv) {
   app.add_option("--seed", a.seed, "random seed of the sampling policies")->capture_default_str();
   app.add_option("--prompt", a.prompt, "prompt text (\"\" = start from BOS alone)");
   app.add_option("--prompt-file", a.prompt_file, "read the prompt from a file");
+  app.add_option("--prompts-file", a.prompts_file,
+                 "many prompts, one per line (\\n, \\t, \\\\ escapes; blank lines skipped), decoded --batch at a time");
+  app.add_option("--batch", a.batch, "requests decoded together with --prompts-file (continuous batching; default 1)");
   app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate")->capture_default_str();
   const std::map<std::string, run_mode> modes{
       {"vanilla", run_mode::vanilla}, {"medusa", run_mode::medusa}, {"both", run_mode::both}};

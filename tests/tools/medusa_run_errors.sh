@@ -11,6 +11,9 @@ mkdir -p "$scratch"
 printf 'short' > "$scratch/truncated.bin"
 printf '{"__metadata__": 5' > "$scratch/corrupt.safetensors"
 long_prompt=$(printf 'x = 1\n%.0s' $(seq 1 400))
+printf 'def f():\\n\n\n   \n' > "$scratch/prompts.txt"
+printf '\n  \n' > "$scratch/no_prompts.txt"
+{ echo 'import os'; printf 'x = 1\\n%.0s' $(seq 1 400); echo; } > "$scratch/long_prompts.txt"
 
 case $case in
   missing_model)     want=1; pat='no such file';          args=(--model "$scratch/none.bin" --mode vanilla) ;;
@@ -25,6 +28,12 @@ case $case in
   heads_corrupt)     want=2; pat='corrupt.safetensors|header'; args=(--model "$pycode" --heads "$scratch/corrupt.safetensors") ;;
   long_prompt)       want=2; pat='does not fit the context'; args=(--model "$pycode" --mode vanilla --prompt "$long_prompt") ;;
   bad_mode)          want=2; pat='--mode';                args=(--model "$pycode" --mode fast) ;;
+  batch_no_prompts)  want=2; pat='--batch needs --prompts-file'; args=(--model "$pycode" --mode vanilla --batch 2) ;;
+  batch_zero)        want=2; pat='--batch must be in';    args=(--model "$pycode" --mode vanilla --prompts-file "$scratch/prompts.txt" --batch 0) ;;
+  prompts_missing)   want=2; pat='none.txt';              args=(--model "$pycode" --mode vanilla --prompts-file "$scratch/none.txt") ;;
+  prompts_empty)     want=2; pat='no prompt';             args=(--model "$pycode" --mode vanilla --prompts-file "$scratch/no_prompts.txt") ;;
+  prompts_long)      want=2; pat='prompt #2 of';          args=(--model "$pycode" --mode vanilla --prompts-file "$scratch/long_prompts.txt") ;;
+  prompts_and_prompt) want=2; pat='give one of';          args=(--model "$pycode" --mode vanilla --prompt x --prompts-file "$scratch/prompts.txt") ;;
   *) echo "unknown case $case"; exit 1 ;;
 esac
 

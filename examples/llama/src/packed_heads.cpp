@@ -34,31 +34,38 @@ struct packed_heads::impl {
   std::vector<detail::packed_matrix> later;  // [k·(L-1) + l-1]: layer l ≥ 1 of head k
   std::vector<float> bias;                   // [k·L + l][d]
   std::vector<detail::packed_matrix> proj;   // K per-head projections, or one shared lm_head
-  std::vector<float> x, t;                   // [K][d]: residual stream and linear outputs
+  std::vector<float> x, t;                   // [rows][K][d]: residual stream and linear outputs
   std::vector<detail::gemm_job> jobs;        // one stage's GEMMs (kept: no allocation per step)
 
   void run(std::span<const detail::gemm_job> stage) { detail::run_gemm_jobs(*pool, stage); }
 
-  // x_k = x_k + SiLU(t_k + b_{k,l}) for every head (x_k = h at layer 0).
-  void residual(const float* h, int l) {
-    for (int k = 0; k < K; ++k) {
-      const float* in = l == 0 ? h : x.data() + sz(k) * sz(d);
-      const float* tk = t.data() + sz(k) * sz(d);
-      const float* b = bias.data() + (sz(k) * sz(L) + sz(l)) * sz(d);
-      float* out = x.data() + sz(k) * sz(d);
-      for (int i = 0; i < d; ++i) {
-        out[i] = in[i] + medusa::silu(tk[i] + b[i]);
+  // x_{m,k} = x_{m,k} + SiLU(t_{m,k} + b_{k,l}) for every row m and head k (x_{m,k} = h_m at layer 0).
+  void residual(const float* h, int l, int M) {
+    for (int m = 0; m < M; ++m)
+      for (int k = 0; k < K; ++k) {
+        const std::size_t mk = (sz(m) * sz(K) + sz(k)) * sz(d);
+        const float* in = l == 0 ? h + sz(m) * sz(d) : x.data() + mk;
+        const float* tk = t.data() + mk;
+        const float* b = bias.data() + (sz(k) * sz(L) + sz(l)) * sz(d);
+        float* out = x.data() + mk;
+        for (int i = 0; i < d; ++i) out[i] = in[i] + medusa::silu(tk[i] + b[i]);
       }
-    }
   }
 };
 
 packed_heads::packed_heads(engine& eng, const medusa::head_stack<>& stack, weight_format format, int num_heads)
+    : packed_heads(eng.pool(), eng.config(), stack, format, num_heads) {}
+
+packed_heads::packed_heads(batch_engine& eng, const medusa::head_stack<>& stack, weight_format format, int num_heads)
+    : packed_heads(eng.pool(), eng.config(), stack, format, num_heads) {}
+
+packed_heads::packed_heads(thread_pool& pool, const model_config& config, const medusa::head_stack<>& stack,
+                           weight_format format, int num_heads)
     : p_(std::make_unique<impl>()) {
   auto bad = [](const std::string& msg) { throw engine_error(engine_errc::bad_option, "packed_heads: " + msg); };
   stack.validate();
   impl& s = *p_;
-  s.pool = &eng.pool();
+  s.pool = &pool;
   const int available = static_cast<int>(stack.num_heads());
   if (num_heads < 0 || num_heads > available)
     bad("asked for " + std::to_string(num_heads) + " heads of a stack of " + std::to_string(available));
@@ -67,10 +74,10 @@ packed_heads::packed_heads(engine& eng, const medusa::head_stack<>& stack, weigh
   s.d = static_cast<int>(stack.hidden_size());
   s.V = static_cast<int>(stack.vocab_size());
   s.shared = stack.kind() == medusa::projection_kind::shared_lm_head;
-  if (s.d != eng.config().dim)
-    bad("heads of hidden size " + std::to_string(s.d) + " for a model of dim " + std::to_string(eng.config().dim));
-  if (s.V != eng.config().vocab_size)
-    bad("heads of vocabulary " + std::to_string(s.V) + " for a model of vocabulary " + std::to_string(eng.config().vocab_size));
+  if (s.d != config.dim)
+    bad("heads of hidden size " + std::to_string(s.d) + " for a model of dim " + std::to_string(config.dim));
+  if (s.V != config.vocab_size)
+    bad("heads of vocabulary " + std::to_string(s.V) + " for a model of vocabulary " + std::to_string(config.vocab_size));
   if (s.K < 1) bad("a stack without heads");
   const std::size_t d = sz(s.d), V = sz(s.V);
   if (s.L > 0) {
@@ -103,34 +110,49 @@ packed_heads::~packed_heads() = default;
 int packed_heads::num_heads() const noexcept { return p_->K; }
 int packed_heads::vocab_size() const noexcept { return p_->V; }
 
-void packed_heads::forward(std::span<const float> hidden, std::span<float> logits) {
+void packed_heads::forward(std::span<const float> hidden, std::span<float> logits) { forward(hidden, 1, logits); }
+
+void packed_heads::forward(std::span<const float> hidden, int rows, std::span<float> logits) {
   impl& s = *p_;
   const std::size_t d = sz(s.d), V = sz(s.V), K = sz(s.K);
-  if (hidden.size() != d || logits.size() != K * V)
-    throw engine_error(engine_errc::bad_output, "packed_heads: hidden has " + std::to_string(hidden.size()) + " floats (needs " +
+  if (rows < 1 || hidden.size() != sz(rows) * d || logits.size() != sz(rows) * K * V)
+    throw engine_error(engine_errc::bad_output, "packed_heads: " + std::to_string(rows) + " rows: hidden has " +
+                                                     std::to_string(hidden.size()) + " floats (needs rows × " +
                                                      std::to_string(d) + "), logits " + std::to_string(logits.size()) +
-                                                     " (needs " + std::to_string(K * V) + ")");
+                                                     " (needs rows × " + std::to_string(K * V) + ")");
+  const int M = rows;
+  const std::size_t KD = K * d;
+  if (s.x.size() < sz(M) * KD) {  // grows once to the largest batch seen
+    s.x.resize(sz(M) * KD);
+    s.t.resize(sz(M) * KD);
+  }
+  // x, t: [M][K][d]; head k of all rows is the strided matrix at x + k·d, rows K·d apart.
   const float* h = hidden.data();
   auto& jobs = s.jobs;
   if (s.L > 0) {
-    const detail::gemm_job j0{&s.first, {h, d, 1}, s.t.data(), K * d, detail::epilogue::store};  // one row of K·d outputs
+    const detail::gemm_job j0{&s.first, {h, d, M}, s.t.data(), KD, detail::epilogue::store};  // M rows of K·d outputs
     s.run(std::span(&j0, 1));
-    s.residual(h, 0);
+    s.residual(h, 0, M);
     for (int l = 1; l < s.L; ++l) {
       jobs.clear();
       for (std::size_t k = 0; k < K; ++k)
-        jobs.push_back({&s.later[k * sz(s.L - 1) + sz(l - 1)], {s.x.data() + k * d, d, 1}, s.t.data() + k * d, d, detail::epilogue::store});
+        jobs.push_back({&s.later[k * sz(s.L - 1) + sz(l - 1)], {s.x.data() + k * d, KD, M}, s.t.data() + k * d, KD,
+                        detail::epilogue::store});
       s.run(jobs);
-      s.residual(h, l);
+      s.residual(h, l, M);
     }
   } else {
-    for (std::size_t k = 0; k < K; ++k) std::copy(h, h + d, s.x.begin() + static_cast<std::ptrdiff_t>(k * d));
+    for (int m = 0; m < M; ++m)
+      for (std::size_t k = 0; k < K; ++k)
+        std::copy(h + sz(m) * d, h + sz(m) * d + d, s.x.begin() + static_cast<std::ptrdiff_t>(sz(m) * KD + k * d));
   }
+  // logits: [M][K][V], the rows of head k at logits + k·V, K·V apart.
   jobs.clear();
   if (s.shared) {
-    jobs.push_back({&s.proj[0], {s.x.data(), d, s.K}, logits.data(), V, detail::epilogue::store});  // K rows through lm_head
+    jobs.push_back({&s.proj[0], {s.x.data(), d, M * s.K}, logits.data(), V, detail::epilogue::store});  // M·K rows through lm_head
   } else {
-    for (std::size_t k = 0; k < K; ++k) jobs.push_back({&s.proj[k], {s.x.data() + k * d, d, 1}, logits.data() + k * V, V, detail::epilogue::store});
+    for (std::size_t k = 0; k < K; ++k)
+      jobs.push_back({&s.proj[k], {s.x.data() + k * d, KD, M}, logits.data() + k * V, K * V, detail::epilogue::store});
   }
   s.run(jobs);
 }

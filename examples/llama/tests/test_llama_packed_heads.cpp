@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // medusa_llama::packed_heads (the heads on the engine's packed kernels) against the library's
-// head_stack forward, for per-head and shared projections, 0-2 ResBlocks, both formats; and the
+// head_stack forward, for per-head and shared projections, 0-2 ResBlocks, every format, one row and
+// a batch of rows; and the
 // decoder with packed heads stays lossless.
 #include <medusa_llama/llama.hpp>
 #include <medusa_llama/load.hpp>
@@ -113,6 +114,23 @@ TEST_CASE("packed heads equal the head_stack forward") {
             // row to 8 bits (the reference keeps float activations): < 1 % of the range here.
             CHECK(err <= (fmt == weight_format::int8 ? 2e-2 : 1e-4) * scale);
           }
+          // A batch of rows (one per request of a batch) gives each row what it gives alone, up to
+          // the summation order (the kernel splits the reduction of 1- and 2-row passes).
+          const int M = 5;
+          std::vector<float> hs(static_cast<std::size_t>(M) * dd), batch(static_cast<std::size_t>(M) * K * VV);
+          for (auto& x : hs) x = nd(rng);
+          heads.forward(hs, M, batch);
+          for (int m = 0; m < M; ++m) {
+            heads.forward(std::span<const float>(hs).subspan(static_cast<std::size_t>(m) * dd, dd), got);
+            double err = 0, scale = 0;
+            for (std::size_t i = 0; i < got.size(); ++i) {
+              const float b = batch[static_cast<std::size_t>(m) * K * VV + i];
+              err = std::max(err, static_cast<double>(std::abs(got[i] - b)));
+              scale = std::max(scale, static_cast<double>(std::abs(b)));
+            }
+            CHECK(scale > 0.1);
+            CHECK(err <= 1e-5 * scale);
+          }
         }
 }
 
@@ -142,6 +160,11 @@ TEST_CASE("packed heads reject mismatched models and buffers") {
   CHECK_THROWS_AS(heads.forward(h, short_logits), engine_error);
   std::vector<float> short_h(63);
   CHECK_THROWS_AS(heads.forward(short_h, logits), engine_error);
+  std::vector<float> two_h(128), two_logits(2 * 2 * 97);
+  CHECK_NOTHROW(heads.forward(two_h, 2, two_logits));
+  CHECK_THROWS_AS(heads.forward(two_h, 3, two_logits), engine_error);  // 3 rows need more of both
+  CHECK_THROWS_AS(heads.forward(two_h, 0, two_logits), engine_error);
+  CHECK_THROWS_AS(heads.forward(two_h, 2, logits), engine_error);
   CHECK_THROWS_AS(packed_heads(eng, ok.view(), weight_format::bf16, 3), engine_error);
   CHECK_THROWS_AS(packed_heads(eng, ok.view(), weight_format::bf16, -1), engine_error);
   medusa::head_weights unset;  // default-constructed: no heads

@@ -54,6 +54,8 @@ enum class engine_errc {
   bad_mask,        //!< a tree mask too small for the batch, a row that cannot see itself, or sees a later row
   bad_output,      //!< output row out of range or output buffer of the wrong size
   bad_option,      //!< an engine or generation option out of range
+  bad_request,     //!< a request id outside the engine's range, or twice in one batch
+  out_of_pages,    //!< the KV page pool has too few free pages for a reservation
 };
 
 //! Name of an `engine_errc` value ("bad_batch", ...).
@@ -66,6 +68,8 @@ enum class engine_errc {
     case engine_errc::bad_mask: return "bad_mask";
     case engine_errc::bad_output: return "bad_output";
     case engine_errc::bad_option: return "bad_option";
+    case engine_errc::bad_request: return "bad_request";
+    case engine_errc::out_of_pages: return "out_of_pages";
   }
   return "unknown";
 }
@@ -73,8 +77,11 @@ enum class engine_errc {
 //! Bad arguments to the engine.
 class engine_error : public medusa::coded_error<engine_errc> {
  public:
-  //! @param code the kind of failure; @param what the message.
+  //! @param code the kind of failure; @param what the message; @param request the id of the
+  //! request at fault (`batch_engine`), -1 if none.
   using coded_error::coded_error;
+  //! The id of the request at fault, -1 if the error concerns no single request.
+  [[nodiscard]] int request() const noexcept { return index(); }
 };
 
 }  // namespace medusa_llama

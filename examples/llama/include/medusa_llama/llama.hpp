@@ -3,6 +3,7 @@
 //! Umbrella header of the example CPU Llama engine (`medusa_llama`).
 #pragma once
 
+#include <medusa_llama/batch_engine.hpp>
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/errors.hpp>
 #include <medusa_llama/model.hpp>

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file packed_heads.hpp
-//! Medusa heads on the engine's own kernels and threads: a `medusa::draft_heads` for
-//! `medusa::decoder` that packs a `head_stack` once into the engine's panel layout.
+//! Medusa heads on the engine's own kernels and threads: a `medusa::batched_draft_heads` for
+//! `medusa::decoder` and `medusa::batch_decoder` that packs a `head_stack` once into the engine's panel layout.
 //!
 //! The heads only propose drafts, which the base model verifies, so their precision changes how
 //! many drafts are accepted, never the output. They are therefore packed in int8 by default (per
@@ -17,6 +17,7 @@
 //! @endcode
 #pragma once
 
+#include <medusa_llama/batch_engine.hpp>
 #include <medusa_llama/engine.hpp>
 
 #include <medusa/heads.hpp>
@@ -37,6 +38,9 @@ class packed_heads {
   //! `medusa::invalid_input` from the stack's own checks (e.g. an unset weight).
   packed_heads(engine& eng, const medusa::head_stack<>& stack, weight_format format = weight_format::int8,
                int num_heads = 0);
+  //! The same on a serving engine's threads (`batch_decoder`: use `forward(hidden, rows, logits)`).
+  packed_heads(batch_engine& eng, const medusa::head_stack<>& stack, weight_format format = weight_format::int8,
+               int num_heads = 0);
   packed_heads(packed_heads&&) noexcept;
   packed_heads& operator=(packed_heads&&) noexcept;
   ~packed_heads();
@@ -46,8 +50,13 @@ class packed_heads {
   //! Logits `[K][V]` of one final-normed hidden state `[d]`. Throws `engine_error` (`bad_output`)
   //! on wrong span sizes.
   void forward(std::span<const float> hidden, std::span<float> logits);
+  //! Logits `[rows][K][V]` of `rows` hidden states `[rows][d]` (a batch of requests): every
+  //! weight is read once for all rows. Row m equals `forward` of hidden state m alone.
+  void forward(std::span<const float> hidden, int rows, std::span<float> logits);
 
  private:
+  packed_heads(thread_pool& pool, const model_config& config, const medusa::head_stack<>& stack,
+               weight_format format, int num_heads);
   struct impl;
   std::unique_ptr<impl> p_;
 };
