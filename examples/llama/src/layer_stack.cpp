@@ -10,6 +10,8 @@
 #include "kernels.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
 #include <cassert>
 #include <cmath>
 #include <cstring>
@@ -273,24 +275,42 @@ void layer_stack::run(std::span<const std::int32_t> tokens, std::span<const std:
   auto on_pool = [this](std::size_t count, auto&& body) {
     pool_.run(static_cast<int>(count), [&body](int i, int) { body(static_cast<std::size_t>(i)); });
   };
+  // One request's K/V writes and attention, its work spread by `pf`.
+  auto attend = [&](const segment<View>& s, int l, auto&& pf) {
+    if (s.rows == 0) return;
+    // NHD rows (contiguous or paged): the KV heads of one slot are one run of kv_dim floats.
+    for (int i = 0; i < s.rows; ++i) {
+      const std::size_t t = sz(s.row0 + i);
+      std::memcpy(s.kv.k_row(l, s.cache_length + i, 0), k_.data() + t * sz(kvd), sz(kvd) * sizeof(float));
+      std::memcpy(s.kv.v_row(l, s.cache_length + i, 0), v_.data() + t * sz(kvd), sz(kvd) * sizeof(float));
+    }
+    const std::size_t r0 = sz(s.row0) * sz(d), rn = sz(s.rows) * sz(d);
+    const std::span<const float> qs(q_.data() + r0, rn);
+    const std::span<float> out(att_.data() + r0, rn);
+    if (s.mask.empty())
+      medusa::causal_attention(s.kv, l, s.cache_length, qs, s.rows, c_.n_heads, out, {}, pf);
+    else
+      medusa::tree_attention(s.kv, l, s.cache_length, qs, s.rows, c_.n_heads, s.mask, out, {}, pf);
+  };
   embed(tokens);
   for (int l = 0; l < c_.n_layers; ++l) {
     project_qkv(l, positions);
-    for (const segment<View>& s : segments) {
-      if (s.rows == 0) continue;
-      // NHD rows (contiguous or paged): the KV heads of one slot are one run of kv_dim floats.
-      for (int i = 0; i < s.rows; ++i) {
-        const std::size_t t = sz(s.row0 + i);
-        std::memcpy(s.kv.k_row(l, s.cache_length + i, 0), k_.data() + t * sz(kvd), sz(kvd) * sizeof(float));
-        std::memcpy(s.kv.v_row(l, s.cache_length + i, 0), v_.data() + t * sz(kvd), sz(kvd) * sizeof(float));
-      }
-      const std::size_t r0 = sz(s.row0) * sz(d), rn = sz(s.rows) * sz(d);
-      const std::span<const float> qs(q_.data() + r0, rn);
-      const std::span<float> out(att_.data() + r0, rn);
-      if (s.mask.empty())
-        medusa::causal_attention(s.kv, l, s.cache_length, qs, s.rows, c_.n_heads, out, {}, on_pool);
-      else
-        medusa::tree_attention(s.kv, l, s.cache_length, qs, s.rows, c_.n_heads, s.mask, out, {}, on_pool);
+    if (segments.size() == 1) {
+      attend(segments[0], l, on_pool);  // one request: its heads share the threads
+    } else {
+      // Several requests: one fork-join per layer over the requests (not one per request), each
+      // request's attention on one thread. Jobs must not throw: the first error is rethrown here
+      // (the callers validate first, so none is expected).
+      std::exception_ptr error;
+      std::atomic_flag failed;
+      pool_.run(static_cast<int>(segments.size()), [&](int i, int) {
+        try {
+          attend(segments[sz(i)], l, medusa::sequential_for{});
+        } catch (...) {
+          if (!failed.test_and_set()) error = std::current_exception();
+        }
+      });
+      if (error) std::rethrow_exception(error);
     }
     finish_layer(l, T);
   }
