@@ -497,3 +497,62 @@ TEST_CASE("an empty batch steps to nothing; a request wanting no tokens ends at 
   CHECK(eng.forward_calls == 0);
   CHECK(dec.empty());
 }
+
+TEST_CASE("a masked vocabulary (-inf on half the tokens): greedy still equals plain, sampling never picks a masked token") {
+  tiny_model weights(512);
+  random_heads heads(5, 21);
+  const medusa::tree tree = medusa::tree::preset("mc_sim_7b_63");
+  auto mask_odd = [](int, std::span<float> z) {  // a constraint banning every odd token
+    for (std::size_t i = 0; i < z.size(); ++i)
+      if (i % tiny_model::vocab % 2 == 1) z[i] = -std::numeric_limits<float>::infinity();
+  };
+  medusa::decode_options opt;
+  opt.max_new_tokens = 40;
+  auto decode_all = [&](auto& dec, paged_engine& eng, std::uint64_t seed) {
+    std::map<int, medusa::decode_result> out;
+    for (int i = 0; i < 3; ++i) {
+      opt.seed = seed + static_cast<std::uint64_t>(i);
+      dec.join(i, prompt_of(i), opt);
+    }
+    while (!dec.empty())
+      for (auto& u : dec.step())
+        if (u.finished) {
+          INFO(u.error_message());
+          REQUIRE(u.reason != medusa::stop_reason::failed);
+          eng.release(u.request, 0);
+          out[u.request] = std::move(u.result);
+        }
+    return out;
+  };
+  SUBCASE("greedy") {
+    paged_engine eng(weights, 300, 256, 3);
+    eng.corrupt = mask_odd;
+    medusa::no_heads none;
+    medusa::batch_decoder plain(eng, none, medusa::plain_tree{}, medusa::greedy_policy{}, 3);
+    const auto want = decode_all(plain, eng, 0);
+    medusa::batch_decoder dec(eng, heads, tree, medusa::greedy_policy{}, 3);
+    const auto got = decode_all(dec, eng, 0);
+    for (int i = 0; i < 3; ++i) {
+      CAPTURE(i);
+      CHECK(got.at(i).tokens == want.at(i).tokens);
+      CHECK(got.at(i).tokens.size() == 40);
+      for (auto t : got.at(i).tokens) CHECK(t % 2 == 0);
+    }
+  }
+  SUBCASE("rejection sampling at T = 1 and typical acceptance") {
+    paged_engine eng(weights, 300, 256, 3);
+    eng.corrupt = mask_odd;
+    medusa::rejection_policy rejection;
+    rejection.temperature = 1.0f;
+    medusa::typical_policy typical;
+    typical.temperature = 0.9f;
+    for (std::uint64_t seed : {1u, 2u, 3u, 4u}) {
+      medusa::batch_decoder dec(eng, heads, tree, rejection, 3);
+      for (const auto& [id, r] : decode_all(dec, eng, seed * 10))
+        for (auto t : r.tokens) CHECK(t % 2 == 0);
+      medusa::batch_decoder dt(eng, heads, tree, typical, 3);
+      for (const auto& [id, r] : decode_all(dt, eng, seed * 10))
+        for (auto t : r.tokens) CHECK(t % 2 == 0);
+    }
+  }
+}
