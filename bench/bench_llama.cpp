@@ -3,7 +3,10 @@
 //  * BM_decode: vanilla single-token decode at a context of 128, with the fraction of the
 //    bandwidth roofline it reaches (weight bytes ÷ measured read bandwidth ÷ time per token);
 //  * BM_tree_step: one forward of N tree tokens (a random tree, N = 1..64) at a context of 128, and
-//    its cost relative to N = 1 of the same weight format (the denominator of Medusa's speedup).
+//    its cost relative to N = 1 of the same weight format (the denominator of Medusa's speedup);
+//  * BM_batch_step: one ragged pass of the serving engine (batch_engine, paged KV) over B requests
+//    of N rows each (N = 1: plain decoding, N > 1: a tree), every request at a context of 128, and
+//    its cost relative to B = 1, N = 1: what batching and trees cost together.
 // Both with float32 (weights:0) and bf16 (weights:1) packed weights; backend 2 = OpenBLAS for T > 1.
 // Set MEDUSA_SHARED_DIR to point elsewhere; skipped when the model is absent.
 #include <medusa_llama/llama.hpp>
@@ -177,6 +180,79 @@ BENCHMARK(BM_tree_step)
     ->ArgsProduct({{1, 4, 6, 8, 16, 32, 64}, {static_cast<long>(gemm_backend::automatic)}, {0, 1}})
     ->ArgsProduct({{4, 16, 64}, {static_cast<long>(gemm_backend::blas)}, {0}})
     ->ArgNames({"N", "backend", "weights"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+void BM_batch_step(benchmark::State& state) {
+  const model* m = pycode();
+  if (m == nullptr) {
+    state.SkipWithError("pycode-15m is absent (set MEDUSA_SHARED_DIR)");
+    return;
+  }
+  const int B = static_cast<int>(state.range(0)), n = static_cast<int>(state.range(1));
+  batch_engine e(*m, {.max_requests = B, .max_tokens = std::max(256, B * n), .threads = 2});
+  const auto V = static_cast<std::size_t>(m->config().vocab_size), d = static_cast<std::size_t>(m->config().dim);
+  const auto ctx = context_tokens();
+  std::vector<int> ids(static_cast<std::size_t>(B)), indptr(static_cast<std::size_t>(B) + 1), lengths(ids.size());
+  std::vector<std::int32_t> tok, pos;
+  for (int b = 0; b < B; ++b) {  // each request's prompt: the same 128 tokens, its own pages
+    ids[static_cast<std::size_t>(b)] = b;
+    e.reserve(b, kContext + n);
+    indptr[static_cast<std::size_t>(b)] = b * kContext;
+    tok.insert(tok.end(), ctx.begin(), ctx.end());
+    for (int i = 0; i < kContext; ++i) pos.push_back(i);
+  }
+  indptr.back() = B * kContext;
+  std::vector<float> last(static_cast<std::size_t>(B) * V);
+  medusa::ragged_batch prefill;
+  prefill.requests = ids;
+  prefill.qo_indptr = indptr;
+  prefill.tokens = tok;
+  prefill.positions = pos;
+  prefill.cache_lengths = lengths;
+  prefill.last_row_only = true;
+  prefill.logits = last;
+  e.forward(prefill);
+
+  std::vector<int> depth;
+  const auto mask = random_tree(n, depth);
+  tok.clear();
+  pos.clear();
+  for (int b = 0; b < B; ++b) {
+    indptr[static_cast<std::size_t>(b)] = b * n;
+    lengths[static_cast<std::size_t>(b)] = kContext;
+    for (int i = 0; i < n; ++i) {
+      tok.push_back(259 + (i * 37 + b * 11) % 1789);
+      pos.push_back(kContext + depth[static_cast<std::size_t>(i)]);
+    }
+  }
+  indptr.back() = B * n;
+  std::vector<float> logits(static_cast<std::size_t>(B * n) * V), hidden(static_cast<std::size_t>(B * n) * d);
+  medusa::ragged_batch step;
+  step.requests = ids;
+  step.qo_indptr = indptr;
+  step.tokens = tok;
+  step.positions = pos;
+  step.cache_lengths = lengths;
+  step.tree_mask = {mask, (n + 31) / 32};
+  step.logits = logits;
+  step.hidden = hidden;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    e.forward(step);
+    benchmark::DoNotOptimize(logits.data());
+  }
+  const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+                          static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
+  static double one = 0;  // B = 1, N = 1 of this process
+  if (B == 1 && n == 1) one = per_step;
+  if (one > 0) state.counters["cost_vs_B1N1"] = per_step / one;
+  state.counters["rows"] = B * n;
+  state.counters["rows_per_s"] = benchmark::Counter(static_cast<double>(B * n), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_batch_step)
+    ->ArgsProduct({{1, 2, 4, 8, 16, 32}, {1, 6}})
+    ->ArgNames({"B", "N"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
