@@ -12,11 +12,14 @@
 //!
 //! The kernel is flash-attention style: each KV head's query rows (all nodes × the query heads
 //! of the group) are processed together against blocks of 64 keys, so a K/V row is read and
-//! converted once per group; scores and softmax are accumulated online. The inner loops use
-//! AVX-512 when the compiler targets it (`-march=native` on an AVX-512 machine) and a portable
-//! auto-vectorisable path otherwise (define `MEDUSA_PORTABLE_KERNELS` to force it); the functions
-//! live in the instruction-set namespace of config.hpp. No threads are created; pass a
-//! parallel-for (parallel.hpp) to spread KV heads over the caller's threads.
+//! converted once per group; scores and softmax are accumulated online. The micro-kernels take
+//! the rows 4 at a time, the last block holding the 1 to 3 rows left, so no padding row is
+//! computed; a call with one query row in all (plain decoding, one query head per KV head) takes
+//! its scores as direct dot products with the K rows instead of a transposed K block (AVX-512).
+//! The inner loops use AVX-512 when the compiler targets it (`-march=native` on an AVX-512
+//! machine) and a portable auto-vectorisable path otherwise (define `MEDUSA_PORTABLE_KERNELS` to
+//! force it); the functions live in the instruction-set namespace of config.hpp. No threads are
+//! created; pass a parallel-for (parallel.hpp) to spread KV heads over the caller's threads.
 //!
 //! @code
 //! #include <medusa/attention.hpp>
@@ -79,7 +82,7 @@ namespace detail {
 MEDUSA_ISA_NAMESPACE_BEGIN
 
 inline constexpr int attn_block = 64;  // keys per block: one 64-bit mask word per query row
-inline constexpr int attn_rows = 4;    // query rows per micro-kernel
+inline constexpr int attn_rows = 4;    // query rows per micro-kernel, at most
 
 // --- element rows -> float ----------------------------------------------------------------------
 inline void attn_load_row(const float* src, float* dst, int n) noexcept {
@@ -162,6 +165,31 @@ inline void attn_transpose16(const float* const* src, int d0, float* dst, int ld
 }
 #endif
 
+#if MEDUSA_ISA_AVX512
+// The 16 horizontal sums of v[0..15] as one vector (lane j = sum of v[j]): pairs are added after
+// unpacking, then quads, then 128-bit lanes twice; 30 shuffles where 16 reductions take 64.
+inline __m512 attn_hsum16(const __m512* v) noexcept {
+  constexpr auto kAll = static_cast<__mmask16>(0xFFFF);
+  constexpr auto kAll8 = static_cast<__mmask8>(0xFF);
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3], x = v[2i], y = v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_mask_unpacklo_ps(v[2 * i], kAll, v[2 * i], v[2 * i + 1]),
+                         _mm512_mask_unpackhi_ps(v[2 * i], kAll, v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of v[4i .. 4i+3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_mask_unpacklo_pd(x, kAll8, x, y)),
+                         _mm512_castpd_ps(_mm512_mask_unpackhi_pd(x, kAll8, x, y)));
+  }
+  // 128-bit lanes: [b0: L0+L1, L2+L3, b1: L0+L1, L2+L3], then the two halves of each.
+  const __m512 c0 = _mm512_add_ps(_mm512_mask_shuffle_f32x4(b[0], kAll, b[0], b[1], 0x88),
+                                  _mm512_mask_shuffle_f32x4(b[0], kAll, b[0], b[1], 0xdd));
+  const __m512 c1 = _mm512_add_ps(_mm512_mask_shuffle_f32x4(b[2], kAll, b[2], b[3], 0x88),
+                                  _mm512_mask_shuffle_f32x4(b[2], kAll, b[2], b[3], 0xdd));
+  return _mm512_add_ps(_mm512_mask_shuffle_f32x4(c0, kAll, c0, c1, 0x88),
+                       _mm512_mask_shuffle_f32x4(c0, kAll, c0, c1, 0xdd));
+}
+#endif
+
 // One task: KV head `g`, query rows [r0, r1) of the node-major row list (row = node*G + h).
 template <class View, class Mask>
 struct attn_task {
@@ -196,32 +224,40 @@ struct attn_task {
     constexpr int B = attn_block;
     constexpr int R = attn_rows;
     const int rows = r1 - r0;
-    const int rows_p = (rows + R - 1) / R * R;
     const auto Dz = static_cast<std::size_t>(D);
+    // A call with a single query row in all (one query, one query head per KV head: plain
+    // decoding) takes each score as a direct dot product with the K row: transposing a K block
+    // costs more than the one row's products. Its scores may differ from the transposed form in
+    // the last bits (another summation order); every other call keeps that form.
+#if MEDUSA_ISA_AVX512
+    const bool direct = nq * G == 1 && D % 16 == 0;
+#else
+    constexpr bool direct = false;
+#endif
     // Per-thread scratch, grown on demand and reused across calls: no allocation and no zero fill
     // per task (every region is written before it is read).
-    const std::size_t need = static_cast<std::size_t>(rows_p) * (Dz * 2 + 2) + Dz * B * 2 + Dz + R * B;
+    const std::size_t need = static_cast<std::size_t>(rows) * (Dz * 2 + 2) + Dz * B * 2 + Dz + R * B;
     thread_local std::vector<float> scratch;
     thread_local std::vector<int> node_scratch;
     if (scratch.size() < need) scratch.resize(need);
-    if (node_scratch.size() < static_cast<std::size_t>(rows_p)) node_scratch.resize(static_cast<std::size_t>(rows_p));
+    if (node_scratch.size() < static_cast<std::size_t>(rows)) node_scratch.resize(static_cast<std::size_t>(rows));
     float* Q = scratch.data();
-    float* O = Q + static_cast<std::size_t>(rows_p) * Dz;
-    float* Kt = O + static_cast<std::size_t>(rows_p) * Dz;  // [D][B], transposed
-    float* Vb = Kt + Dz * B;                                  // [B][D]
-    float* tmp = Vb + Dz * B;                                 // [D]
-    float* S = tmp + Dz;                                      // [R][B]
-    float* m = S + R * B;                                     // [rows_p] running max
-    float* l = m + rows_p;                                    // [rows_p] running sum
-    int* node = node_scratch.data();                          // [rows_p] tree node of each row
-    std::fill(O, O + static_cast<std::size_t>(rows_p) * Dz, 0.0f);
-    std::fill(m, m + rows_p, -std::numeric_limits<float>::infinity());
-    std::fill(l, l + rows_p, 0.0f);
+    float* O = Q + static_cast<std::size_t>(rows) * Dz;
+    float* Kt = O + static_cast<std::size_t>(rows) * Dz;  // [D][B], transposed ([B][D] K rows when direct)
+    float* Vb = Kt + Dz * B;                                // [B][D]
+    float* tmp = Vb + Dz * B;                               // [D]
+    float* S = tmp + Dz;                                    // [R][B]
+    float* m = S + R * B;                                   // [rows] running max
+    float* l = m + rows;                                    // [rows] running sum
+    int* node = node_scratch.data();                        // [rows] tree node of each row
+    std::fill(O, O + static_cast<std::size_t>(rows) * Dz, 0.0f);
+    std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + rows, 0.0f);
     const float* vrows[B] = {};  // V row of each key of the current block
-    const float* krows[B] = {};  // K row of each key (float caches)
+    const float* krows[B] = {};  // K row of each key (float caches, or converted rows when direct)
 
-    for (int r = 0; r < rows_p; ++r) {
-      const int rr = std::min(r0 + r, r1 - 1);  // padded rows repeat the last real row
+    for (int r = 0; r < rows; ++r) {
+      const int rr = r0 + r;
       node[r] = rr / G;
       const float* src = q.data() + (static_cast<std::size_t>(rr / G) * static_cast<std::size_t>(hq) +
                                      static_cast<std::size_t>(g * G + rr % G)) * Dz;
@@ -238,24 +274,36 @@ struct attn_task {
       const std::uint64_t valid = cnt >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << cnt) - 1;
       bool any = !tree;
       if (tree)
-        for (int rb = 0; rb < rows_p && !any; rb += R)
-          for (int r = rb; r < rb + R; ++r) any = any || (bits(node[r], j0) & valid) != 0;
+        for (int r = 0; r < rows && !any; ++r) any = (bits(node[r], j0) & valid) != 0;
       if (!any) continue;
-      // Gather the block: K transposed for the QK micro-kernel (padding columns zero); V rows are
-      // read in place from a float cache, converted into Vb otherwise.
+      // Gather the block: K transposed for the QK micro-kernel (padding columns zero), or K rows
+      // as they are when direct; V rows are read in place from a float cache, converted into Vb
+      // otherwise.
       int k = 0;
       if constexpr (float_rows) {
         for (int j = 0; j < cnt; ++j) {
           krows[j] = kv.k_row(layer, slot0 + j, g);
           vrows[j] = kv.v_row(layer, slot0 + j, g);
         }
+        if (!direct) {
 #if MEDUSA_ISA_AVX512
-        if (D % 16 == 0)
-          for (; k + 16 <= cnt; k += 16)
-            for (int d0 = 0; d0 < D; d0 += 16) attn_transpose16(krows + k, d0, Kt + static_cast<std::size_t>(d0) * B + k, B);
+          if (D % 16 == 0)
+            for (; k + 16 <= cnt; k += 16)
+              for (int d0 = 0; d0 < D; d0 += 16)
+                attn_transpose16(krows + k, d0, Kt + static_cast<std::size_t>(d0) * B + k, B);
 #endif
-        for (; k < cnt; ++k)
-          for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = krows[k][d];
+          for (; k < cnt; ++k)
+            for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = krows[k][d];
+        }
+      } else if (direct) {
+        for (; k < cnt; ++k) {
+          float* krow = Kt + static_cast<std::size_t>(k) * Dz;
+          float* vrow = Vb + static_cast<std::size_t>(k) * Dz;
+          attn_load_row(kv.k_row(layer, slot0 + k, g), krow, D);
+          attn_load_row(kv.v_row(layer, slot0 + k, g), vrow, D);
+          krows[k] = krow;
+          vrows[k] = vrow;
+        }
       } else {
         for (; k < cnt; ++k) {
           float* vrow = Vb + static_cast<std::size_t>(k) * Dz;
@@ -265,19 +313,35 @@ struct attn_task {
           for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = tmp[d];
         }
       }
+      if (direct) {
+#if MEDUSA_ISA_AVX512
+        const std::uint64_t vis = tree ? bits(node[0], j0) & valid : valid;
+        qk_direct(Q, krows, cnt, S);
+        softmax_update<1>(S, &vis, m, l, O);
+        pv<1>(S, vrows, cnt, O);
+#endif
+        continue;
+      }
       if (cnt < B)
         for (int d = 0; d < D; ++d) std::fill(Kt + static_cast<std::size_t>(d) * B + cnt, Kt + static_cast<std::size_t>(d + 1) * B, 0.0f);
-      for (int rb = 0; rb < rows_p; rb += R) {
-        std::uint64_t vis[R];
+      // Row blocks of R, the last one of the rows left (1 to R): no padded row is computed.
+      for (int rb = 0; rb < rows; rb += R) {
+        const int nr = std::min(R, rows - rb);
+        std::uint64_t vis[R] = {};
         std::uint64_t any_row = 0;
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < nr; ++r) {
           vis[r] = tree ? bits(node[rb + r], j0) & valid : valid;
           any_row |= vis[r];
         }
         if (any_row == 0) continue;
-        qk(Q + static_cast<std::size_t>(rb) * Dz, Kt, S);
-        softmax_update(S, vis, m + rb, l + rb, O + static_cast<std::size_t>(rb) * Dz);
-        pv(S, vrows, cnt, O + static_cast<std::size_t>(rb) * Dz);
+        const float* Qb = Q + static_cast<std::size_t>(rb) * Dz;
+        float* Ob = O + static_cast<std::size_t>(rb) * Dz;
+        switch (nr) {
+          case 1: block<1>(Qb, Kt, S, vis, m + rb, l + rb, Ob, vrows, cnt); break;
+          case 2: block<2>(Qb, Kt, S, vis, m + rb, l + rb, Ob, vrows, cnt); break;
+          case 3: block<3>(Qb, Kt, S, vis, m + rb, l + rb, Ob, vrows, cnt); break;
+          default: block<R>(Qb, Kt, S, vis, m + rb, l + rb, Ob, vrows, cnt); break;
+        }
       }
     }
     for (int r = 0; r < rows; ++r) {
@@ -291,19 +355,29 @@ struct attn_task {
     }
   }
 
-  // S[R][B] = Q[R][D] · Kt[D][B]
+  // One key block for NR rows: scores, online softmax, weighted V.
+  template <int NR>
+  void block(const float* Qb, const float* Kt, float* S, const std::uint64_t* vis, float* m, float* l, float* O,
+             const float* const* vrows, int cnt) const noexcept {
+    qk<NR>(Qb, Kt, S);
+    softmax_update<NR>(S, vis, m, l, O);
+    pv<NR>(S, vrows, cnt, O);
+  }
+
+  // S[NR][B] = Q[NR][D] · Kt[D][B]; each score sums its products in order of d.
+  template <int NR>
   void qk(const float* Qb, const float* Kt, float* S) const noexcept {
     constexpr int B = attn_block;
     const auto Dz = static_cast<std::size_t>(D);
 #if MEDUSA_ISA_AVX512
-    __m512 acc[attn_rows][4];
+    __m512 acc[NR][4];
     for (auto& row : acc)
       for (auto& a : row) a = _mm512_setzero_ps();
     for (std::size_t d = 0; d < Dz; ++d) {
       const float* kt = Kt + d * B;
       const __m512 k0 = _mm512_loadu_ps(kt), k1 = _mm512_loadu_ps(kt + 16), k2 = _mm512_loadu_ps(kt + 32),
                    k3 = _mm512_loadu_ps(kt + 48);
-      for (int r = 0; r < attn_rows; ++r) {
+      for (int r = 0; r < NR; ++r) {
         const __m512 qv = _mm512_set1_ps(Qb[static_cast<std::size_t>(r) * Dz + d]);
         acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
         acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
@@ -311,28 +385,47 @@ struct attn_task {
         acc[r][3] = _mm512_fmadd_ps(qv, k3, acc[r][3]);
       }
     }
-    for (int r = 0; r < attn_rows; ++r)
+    for (int r = 0; r < NR; ++r)
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(S + r * B + c * 16, acc[r][c]);
 #else
-    for (int r = 0; r < attn_rows * B; ++r) S[r] = 0.0f;
+    for (int i = 0; i < NR * B; ++i) S[i] = 0.0f;
     for (std::size_t d = 0; d < Dz; ++d) {
       const float* kt = Kt + d * B;
-      const float q0 = Qb[d], q1 = Qb[Dz + d], q2 = Qb[2 * Dz + d], q3 = Qb[3 * Dz + d];
-      for (int k = 0; k < B; ++k) {
-        S[k] += q0 * kt[k];
-        S[B + k] += q1 * kt[k];
-        S[2 * B + k] += q2 * kt[k];
-        S[3 * B + k] += q3 * kt[k];
-      }
+      float qd[NR];
+      for (int r = 0; r < NR; ++r) qd[r] = Qb[static_cast<std::size_t>(r) * Dz + d];
+      for (int k = 0; k < B; ++k)
+        for (int r = 0; r < NR; ++r) S[r * B + k] += qd[r] * kt[k];
     }
 #endif
   }
 
+#if MEDUSA_ISA_AVX512
+  // S[k] = Q · K[k] for one row and keys k < cnt (D a multiple of 16; lanes of S up to the next
+  // multiple of 16 are written too, with scores of key 0). 16 keys at a time: per key, the
+  // products are summed across the 16-float chunks of D, then its 16 lanes.
+  void qk_direct(const float* Qr, const float* const* krows, int cnt, float* S) const noexcept {
+    for (int k0 = 0; k0 < cnt; k0 += 16) {
+      const int n = std::min(16, cnt - k0);
+      const float* kr[16];
+      for (int j = 0; j < 16; ++j) kr[j] = krows[k0 + (j < n ? j : 0)];
+      __m512 acc[16];
+      const __m512 q0 = _mm512_loadu_ps(Qr);
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_mul_ps(q0, _mm512_loadu_ps(kr[j]));
+      for (int d0 = 16; d0 < D; d0 += 16) {
+        const __m512 qv = _mm512_loadu_ps(Qr + d0);
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[j] + d0), acc[j]);
+      }
+      _mm512_storeu_ps(S + k0, attn_hsum16(acc));
+    }
+  }
+#endif
+
   // Online softmax: masks S, turns it into weights P (in place), rescales O, updates m and l.
+  template <int NR>
   void softmax_update(float* S, const std::uint64_t* vis, float* m, float* l, float* O) const noexcept {
     constexpr int B = attn_block;
     constexpr float ninf = -std::numeric_limits<float>::infinity();
-    for (int r = 0; r < attn_rows; ++r) {
+    for (int r = 0; r < NR; ++r) {
       float* s = S + r * B;
       const std::uint64_t vb = vis[r];
       if (vb == 0) {
@@ -390,19 +483,20 @@ struct attn_task {
     }
   }
 
-  // O[R][D] += P[R][B] · V[B][D] over the first `cnt` keys (row k of V at vrows[k]).
+  // O[NR][D] += P[NR][B] · V[B][D] over the first `cnt` keys (row k of V at vrows[k]).
+  template <int NR>
   void pv(const float* P, const float* const* vrows, int cnt, float* O) const noexcept {
     constexpr int B = attn_block;
     const auto Dz = static_cast<std::size_t>(D);
 #if MEDUSA_ISA_AVX512
     if (D % 16 == 0) {
       std::size_t d0 = 0;
-      for (; d0 + 64 <= Dz; d0 += 64) pv_chunk<4>(P, vrows, cnt, O, d0);
-      for (; d0 < Dz; d0 += 16) pv_chunk<1>(P, vrows, cnt, O, d0);
+      for (; d0 + 64 <= Dz; d0 += 64) pv_chunk<NR, 4>(P, vrows, cnt, O, d0);
+      for (; d0 < Dz; d0 += 16) pv_chunk<NR, 1>(P, vrows, cnt, O, d0);
       return;
     }
 #endif
-    for (int r = 0; r < attn_rows; ++r) {
+    for (int r = 0; r < NR; ++r) {
       float* o = O + static_cast<std::size_t>(r) * Dz;
       const float* p = P + r * B;
       for (int k = 0; k < cnt; ++k) {
@@ -415,23 +509,23 @@ struct attn_task {
   }
 
 #if MEDUSA_ISA_AVX512
-  template <int NC>
+  template <int NR, int NC>
   void pv_chunk(const float* P, const float* const* vrows, int cnt, float* O, std::size_t d0) const noexcept {
     constexpr int B = attn_block;
     const auto Dz = static_cast<std::size_t>(D);
-    __m512 acc[attn_rows][NC];
-    for (int r = 0; r < attn_rows; ++r)
+    __m512 acc[NR][NC];
+    for (int r = 0; r < NR; ++r)
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_loadu_ps(O + static_cast<std::size_t>(r) * Dz + d0 + 16 * c);
     for (int k = 0; k < cnt; ++k) {
       const float* v = vrows[k] + d0;
       __m512 vv[NC];
       for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
-      for (int r = 0; r < attn_rows; ++r) {
+      for (int r = 0; r < NR; ++r) {
         const __m512 w = _mm512_set1_ps(P[r * B + k]);
         for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
       }
     }
-    for (int r = 0; r < attn_rows; ++r)
+    for (int r = 0; r < NR; ++r)
       for (int c = 0; c < NC; ++c) _mm512_storeu_ps(O + static_cast<std::size_t>(r) * Dz + d0 + 16 * c, acc[r][c]);
   }
 #endif

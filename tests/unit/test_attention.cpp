@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU tree attention against a naive double-precision reference for every layout and dtype, and
-// against running each root-to-node path as its own causal sequence. test_attention_portable.cpp
+// against running each root-to-node path as its own causal sequence, for many and few query rows
+// per KV head (the single-row and short row-block kernels). test_attention_portable.cpp
 // includes this file with MEDUSA_PORTABLE_KERNELS defined, to cover the non-SIMD path too.
 #include <medusa/attention.hpp>
 #include <medusa/kv_cache.hpp>
@@ -98,6 +99,21 @@ void check_close(const std::vector<float>& got, const std::vector<float>& want, 
     }
 }
 
+// A random float cache (1 layer, `hkv` heads of `dim`, `cap` slots) and `n` random queries of
+// `hq` heads; k, v and q are drawn in that order.
+struct random_problem {
+  std::vector<float> k, v, q;
+  random_problem(std::mt19937& rng, int cap, int hkv, int dim, int n, int hq)
+      : k(static_cast<std::size_t>(cap * hkv * dim)), v(k.size()), q(static_cast<std::size_t>(n * hq * dim)) {
+    fill_random(k, rng);
+    fill_random(v, rng);
+    fill_random(q, rng);
+  }
+  [[nodiscard]] auto view(int hkv, int dim, int cap) {
+    return medusa::make_kv_view<float>(k, v, kv_extents{1, hkv, dim}, cap);
+  }
+};
+
 struct config {
   int layers, kv_heads, group, dim, L, n;
 };
@@ -165,6 +181,47 @@ TEST_CASE_TEMPLATE("tree and causal attention match the naive reference", T, flo
     const config c{u(rng) % 2 + 1, u(rng), u(rng), 8 * u(rng) + (i == 2 ? 3 : 0),
                    std::uniform_int_distribution<int>(0, 150)(rng), std::uniform_int_distribution<int>(1, 80)(rng)};
     check_all_layouts<T>(c, rng);
+  }
+}
+
+TEST_CASE_TEMPLATE("few query rows per KV head (row blocks of 1, 2, 3 and a remainder) match the reference", T,
+                   float, medusa::half, medusa::bfloat16) {
+  std::mt19937 rng(31);
+  // {layers, kv_heads, group, dim, L, n}: rows per KV head = group * n
+  const config fixed[] = {
+      {1, 1, 1, 16, 0, 1},   {1, 2, 1, 64, 130, 1}, {1, 6, 1, 64, 128, 1}, {2, 1, 1, 128, 200, 1},  // 1 row
+      {1, 2, 1, 48, 64, 1},  {1, 1, 1, 20, 70, 1},  {1, 2, 1, 8, 3, 1},                            // 1 row
+      {1, 2, 1, 32, 90, 2},  {1, 2, 2, 64, 90, 1},  {1, 1, 2, 20, 65, 1},                           // 2 rows
+      {1, 2, 1, 64, 90, 3},  {1, 1, 3, 32, 70, 1},  {1, 3, 3, 16, 1, 1},                            // 3 rows
+      {1, 2, 1, 64, 100, 5}, {1, 1, 5, 16, 65, 1},  {1, 2, 1, 24, 40, 5},                           // 5 rows
+      {1, 2, 1, 64, 100, 6}, {1, 1, 7, 32, 40, 1},  {1, 1, 3, 64, 129, 2},                          // 6, 7 rows
+  };
+  for (const auto& c : fixed) check_all_layouts<T>(c, rng);
+}
+
+TEST_CASE("a query row gets the same bits whatever the other rows of its call") {
+  // Causal rows [0, n) see the same keys for any chunk length >= n: computed alone in a short
+  // row block or inside a full block of 4, every row's arithmetic is the same. (A call with one
+  // row in all, n * G == 1, is left out: it may take another summation order.)
+  std::mt19937 rng(12);
+  for (int D : {16, 20, 64}) {
+    for (int G : {1, 2, 3}) {
+      CAPTURE(D);
+      CAPTURE(G);
+      const int hkv = 2, hq = hkv * G, L = 75, nmax = 9;
+      random_problem p(rng, L + nmax, hkv, D, nmax, hq);
+      const auto kv = p.view(hkv, D, L + nmax);
+      const std::vector<float>& q = p.q;
+      std::vector<float> all(q.size());
+      medusa::causal_attention(kv, 0, L, q, nmax, hq, all);
+      for (int n = G == 1 ? 2 : 1; n < nmax; ++n) {
+        CAPTURE(n);
+        const auto len = static_cast<std::size_t>(n * hq * D);
+        std::vector<float> part(len);
+        medusa::causal_attention(kv, 0, L, std::span<const float>(q).first(len), n, hq, part);
+        CHECK(std::equal(part.begin(), part.end(), all.begin()));
+      }
+    }
   }
 }
 
@@ -257,6 +314,15 @@ TEST_CASE("queries that see nothing get zeros; extra mask bits beyond N are igno
     CHECK(out[static_cast<std::size_t>(8 + d)] == doctest::Approx(2.0f));
   }
   medusa::tree_attention(kv, 0, 0, std::span<const float>(), 0, 1, medusa::causal_mask{}, std::span<float>());
+  // one query row in all (head_dim a multiple of 16): blind to its own row, it sees the prefix only
+  std::vector<float> k16(4 * 16, 1.0f), v16(4 * 16, 3.0f), q16(16, 0.5f), out16(16, 9.0f);
+  for (int d = 0; d < 16; ++d) v16[static_cast<std::size_t>(2 * 16 + d)] = -5.0f;  // slot 2: the query's own row
+  const auto kv16 = medusa::make_kv_view<float>(k16, v16, kv_extents{1, 1, 16}, 4);
+  const std::uint32_t none[] = {0x0u};
+  medusa::tree_attention(kv16, 0, 0, q16, 1, 1, medusa::tree_mask_view{none, 1}, out16);
+  CHECK(std::all_of(out16.begin(), out16.end(), [](float x) { return x == 0.0f; }));
+  medusa::tree_attention(kv16, 0, 2, q16, 1, 1, medusa::tree_mask_view{none, 1}, out16);
+  for (float x : out16) CHECK(x == doctest::Approx(3.0f));
 }
 
 TEST_CASE("bad input: typed errors, output untouched") {
@@ -340,19 +406,16 @@ TEST_CASE("all preset trees (medusa::tree) give path-consistent attention") {
     CAPTURE(name);
     const auto t = medusa::tree::preset(name);
     const int n = t.num_nodes(), L = 37, hkv = 2, hq = 4, D = 32;
-    std::vector<float> k(static_cast<std::size_t>((L + n) * hkv * D)), v(k.size());
-    fill_random(k, rng);
-    fill_random(v, rng);
-    const auto kv = medusa::make_kv_view<float>(k, v, kv_extents{1, hkv, D}, L + n);
-    std::vector<float> q(static_cast<std::size_t>(n * hq * D)), out(q.size());
-    fill_random(q, rng);
-    medusa::tree_attention(kv, 0, L, q, hq, t, out);
+    random_problem p(rng, L + n, hkv, D, n, hq);
+    const auto kv = p.view(hkv, D, L + n);
+    std::vector<float> out(p.q.size());
+    medusa::tree_attention(kv, 0, L, p.q, hq, t, out);
     // reference: visibility from the tree's parent links (ancestor-or-self)
     auto vis = [&t](int i, int j) {
       for (int u = i; u >= 0; u = t.parent(u))
         if (u == j) return true;
       return false;
     };
-    check_close(out, reference(kv, 0, L, q, n, hq, vis, 1.0f / std::sqrt(static_cast<float>(D))));
+    check_close(out, reference(kv, 0, L, p.q, n, hq, vis, 1.0f / std::sqrt(static_cast<float>(D))));
   }
 }
