@@ -392,6 +392,30 @@ class batch_decoder {
     }
   }
 
+  // Request `s` (committed length L, `s.rows` new tokens already at tokens_[T..]) becomes
+  // member B of the pass being gathered.
+  void add_member(slot& s, int L, int& B, int& T) {
+    using detail::to_size;
+    members_[to_size(B)] = &s;
+    ids_[to_size(B)] = s.id;
+    cache_lengths_[to_size(B)] = L;
+    qo_indptr_[to_size(B)] = T;
+    T += s.rows;
+    ++B;
+  }
+  // The ragged batch of the B members gathered (T tokens); outputs and mask are the caller's.
+  ragged_batch gathered_batch(int B, int T) {
+    using detail::to_size;
+    qo_indptr_[to_size(B)] = T;
+    ragged_batch b;
+    b.requests = std::span<const int>(ids_.data(), to_size(B));
+    b.qo_indptr = std::span<const int>(qo_indptr_.data(), to_size(B + 1));
+    b.tokens = std::span<const std::int32_t>(tokens_.data(), to_size(T));
+    b.positions = std::span<const std::int32_t>(positions_.data(), to_size(T));
+    b.cache_lengths = std::span<const int>(cache_lengths_.data(), to_size(B));
+    return b;
+  }
+
   // Maps (hook) and checks slots [L, L + count) of a request before a forward writes them.
   void prepare_append(slot& s, int L, int count) {
     if constexpr (kv_reserving_model<Model>) model_.reserve(s.id, L + count);
@@ -446,22 +470,11 @@ class batch_decoder {
           tokens_[to_size(T + i)] = s.prompt[to_size(s.prefilled + i)];
           positions_[to_size(T + i)] = s.prefilled + i;
         }
-        members_[to_size(B)] = &s;
-        ids_[to_size(B)] = s.id;
-        cache_lengths_[to_size(B)] = s.prefilled;
-        qo_indptr_[to_size(B)] = T;
         s.rows = count;
-        T += count;
-        ++B;
+        add_member(s, s.prefilled, B, T);
       }
       if (B == 0) return;
-      qo_indptr_[to_size(B)] = T;
-      ragged_batch b;
-      b.requests = std::span<const int>(ids_.data(), to_size(B));
-      b.qo_indptr = std::span<const int>(qo_indptr_.data(), to_size(B + 1));
-      b.tokens = std::span<const std::int32_t>(tokens_.data(), to_size(T));
-      b.positions = std::span<const std::int32_t>(positions_.data(), to_size(T));
-      b.cache_lengths = std::span<const int>(cache_lengths_.data(), to_size(B));
+      ragged_batch b = gathered_batch(B, T);
       b.last_row_only = true;
       b.logits = std::span<float>(logits_.data(), to_size(B) * V);
       b.hidden = std::span<float>(hidden_out_.data(), to_size(B) * d);
@@ -548,24 +561,13 @@ class batch_decoder {
         s.rows = 0;
         continue;
       }
-      members_[to_size(B)] = &s;
-      ids_[to_size(B)] = s.id;
-      cache_lengths_[to_size(B)] = L;
-      qo_indptr_[to_size(B)] = T;
-      T += count;
-      ++B;
+      add_member(s, L, B, T);
     }
     const double candidates_time = seconds_since(t0);
     if (B == 0) return;
-    qo_indptr_[to_size(B)] = T;
 
     t0 = decode_clock::now();
-    ragged_batch b;
-    b.requests = std::span<const int>(ids_.data(), to_size(B));
-    b.qo_indptr = std::span<const int>(qo_indptr_.data(), to_size(B + 1));
-    b.tokens = std::span<const std::int32_t>(tokens_.data(), to_size(T));
-    b.positions = std::span<const std::int32_t>(positions_.data(), to_size(T));
-    b.cache_lengths = std::span<const int>(cache_lengths_.data(), to_size(B));
+    ragged_batch b = gathered_batch(B, T);
     b.tree_mask = mask_view();
     b.logits = std::span<float>(logits_.data(), to_size(T) * V);
     b.hidden = std::span<float>(hidden_out_.data(), to_size(T) * d);
