@@ -130,6 +130,9 @@ nlohmann::json to_json(const run_report& r) {
   return j;
 }
 
+// Medusa tokens/s over plain tokens/s (0 when plain decoding produced nothing).
+double speedup_of(double plain_tps, double medusa_tps) { return plain_tps > 0 ? medusa_tps / plain_tps : 0.0; }
+
 // The policies medusa-run offers (speculative_policy needs draft distributions it has none of).
 using run_policies = medusa::policy_list<medusa::greedy_policy, medusa::typical_policy, medusa::rejection_policy>;
 
@@ -290,6 +293,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
     for (std::size_t i = 0; i < prompts.size(); ++i)
       if (reports[0].results[i].tokens != reports[1].results[i].tokens) differ.push_back(i);
   constexpr bool greedy = std::is_same_v<Policy, medusa::greedy_policy>;
+  const double speedup = reports.size() == 2 ? speedup_of(reports[0].tokens_per_second(), reports[1].tokens_per_second()) : 0.0;
 
   if (a.json) {
     for (const auto& r : reports)
@@ -305,7 +309,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
     if (reports.size() == 2) {
       summary["identical"] = differ.empty();
       summary["differing_requests"] = differ;
-      summary["speedup"] = reports[0].tokens_per_second() > 0 ? reports[1].tokens_per_second() / reports[0].tokens_per_second() : 0.0;
+      summary["speedup"] = speedup;
     }
     std::printf("%s\n", summary.dump().c_str());
   } else {
@@ -320,8 +324,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
     if (reports.size() == 2)
       std::fprintf(stderr, "tokens identical: %s (%zu of %zu requests differ)%s\nspeedup (medusa / vanilla tokens per second): %.2fx\n",
                    differ.empty() ? "yes" : "no", differ.size(), prompts.size(),
-                   greedy ? "" : " (only greedy decoding is expected to match token for token)",
-                   reports[0].tokens_per_second() > 0 ? reports[1].tokens_per_second() / reports[0].tokens_per_second() : 0.0);
+                   greedy ? "" : " (only greedy decoding is expected to match token for token)", speedup);
   }
   if (greedy && !differ.empty()) {
     std::fprintf(stderr, "medusa-run: error: greedy Medusa tokens differ from plain decoding for request %zu\n", differ[0]);
@@ -430,10 +433,8 @@ int run(run_args a) {
       }
       if (reports.size() == 2) {
         const bool same = reports[0].result.tokens == reports[1].result.tokens;
-        const double speedup = reports[0].result.stats.tokens_per_second() > 0
-                                   ? reports[1].result.stats.tokens_per_second() /
-                                         reports[0].result.stats.tokens_per_second()
-                                   : 0.0;
+        const double speedup =
+            speedup_of(reports[0].result.stats.tokens_per_second(), reports[1].result.stats.tokens_per_second());
         std::fprintf(stderr, "tokens identical: %s%s\nspeedup (medusa / vanilla tokens per second): %.2fx\n",
                      same ? "yes" : "no",
                      std::is_same_v<decltype(policy), medusa::greedy_policy>
