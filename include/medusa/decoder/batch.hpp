@@ -343,7 +343,7 @@ class batch_decoder {
     detail::decode_clock::time_point joined;
     std::size_t out_begin = 0;
     int out_count = 0;
-    int rows = 0;  // this step: 0 = none, 1 = plain, num_nodes = tree
+    int rows = 0;  // rows in the pass being run: a prefill chunk, or 0 = none, 1 = plain step, N > 1 = tree step
   };
 
   static constexpr bool has_mask_view = requires(const Tree& t) {
@@ -545,7 +545,7 @@ class batch_decoder {
       std::int32_t* toks = tokens_.data() + T;
       std::int32_t* pos = positions_.data() + T;
       bool ok = true;
-      if (count == n && n > 1) {
+      if (count > 1) {  // a tree step (a plain step is one row)
         const auto hl = std::span<const float>(head_logits_.data() + to_size(r) * HV, HV);
         ++r;
         ok = guarded(s, [&] {
@@ -580,7 +580,7 @@ class batch_decoder {
     int verify_count = 0;
     for (int i = 0; i < B; ++i) {
       slot& s = *members_[to_size(i)];
-      if (s.rows != n || n == 1) continue;
+      if (s.rows == 1) continue;  // plain steps need no verification
       verify_request q;
       q.node_tokens = std::span<const std::int32_t>(tokens_.data() + qo_indptr_[to_size(i)], to_size(n));
       q.logits = std::span<const float>(logits_.data() + to_size(qo_indptr_[to_size(i)]) * V, to_size(n) * V);
