@@ -152,6 +152,16 @@ std::vector<std::int32_t> prompt_of(int i) {
   return p;
 }
 
+// Steps `dec` until its batch is empty; the final update of every request, by id.
+template <class Decoder>
+std::map<int, medusa::request_update> drain(Decoder& dec) {
+  std::map<int, medusa::request_update> finished;
+  while (!dec.empty())
+    for (auto& u : dec.step())
+      if (u.finished) finished[u.request] = std::move(u);
+  return finished;
+}
+
 // Runs a scripted batch: request i joins before step join_at[i] or, when the batch is full, as soon
 // as there is room; a request in leave_at leaves before that step. Returns each finished request's result.
 template <class Decoder>
@@ -290,10 +300,7 @@ TEST_CASE("a lazily mapped cache with max_context runs tree steps alone too") {
   const auto alone = medusa::generate_vanilla(weights, p, medusa::greedy_policy{}, opt);
   medusa::batch_decoder dec(eng, heads, medusa::tree::preset("vicuna_7b_stage2"), medusa::greedy_policy{}, 1);
   dec.join(0, p, opt);
-  medusa::decode_result res;
-  while (!dec.empty())
-    for (auto& u : dec.step())
-      if (u.finished) res = std::move(u.result);
+  const medusa::decode_result res = drain(dec).at(0).result;
   CHECK(res.tokens == alone.tokens);
   CHECK(res.stats.tree_steps > 0);
   CHECK(eng.peak_pages() <= medusa::kv_pages_for(static_cast<int>(p.size()) + 40 + 64, paged_engine::page_size));
@@ -320,10 +327,7 @@ TEST_CASE("the context limit: tree steps near the end fall back to single steps,
   paged_engine eng(weights, 200, static_cast<int>(p.size()) + 70, 2);
   medusa::batch_decoder dec(eng, heads, tree, medusa::greedy_policy{}, 2);
   dec.join(0, p, opt);
-  medusa::decode_result res;
-  while (!dec.empty())
-    for (auto& u : dec.step())
-      if (u.finished) res = std::move(u.result);
+  const medusa::decode_result res = drain(dec).at(0).result;
   CHECK(res.reason == medusa::stop_reason::context_full);
   CHECK(res.tokens == alone.tokens);
   CHECK(res.stats.tree_steps >= 1);
@@ -349,15 +353,12 @@ TEST_CASE("sampling in a batch draws each request's own stream: the tokens it ge
     opt.seed = 100 + static_cast<std::uint64_t>(i);
     dec.join(i, prompt_of(i), opt);
   }
-  std::map<int, medusa::decode_result> out;
-  while (!dec.empty())
-    for (auto& u : dec.step())
-      if (u.finished) out[u.request] = std::move(u.result);
+  auto out = drain(dec);
   for (int i = 0; i < 3; ++i) {
     CAPTURE(i);
-    CHECK(out[i].tokens == alone[static_cast<std::size_t>(i)].tokens);
+    CHECK(out[i].result.tokens == alone[static_cast<std::size_t>(i)].tokens);
   }
-  CHECK(out[0].tokens != out[1].tokens);
+  CHECK(out[0].result.tokens != out[1].result.tokens);
 }
 
 TEST_CASE("plain batched decoding (no heads, the one-node tree) equals plain decoding") {
@@ -389,10 +390,7 @@ TEST_CASE("a request that fails is reported with its id; the others go on") {
   auto run = [&](paged_engine& eng, int bad, int good_expected) {
     medusa::batch_decoder dec(eng, heads, tree, medusa::greedy_policy{}, 3);
     for (int i = 0; i < 3; ++i) dec.join(i, prompt_of(i), opt);
-    std::map<int, medusa::request_update> finished;
-    while (!dec.empty())
-      for (auto& u : dec.step())
-        if (u.finished) finished[u.request] = std::move(u);
+    auto finished = drain(dec);
     REQUIRE(finished.size() == 3);
     CHECK(finished[bad].reason == medusa::stop_reason::failed);
     CHECK(finished[bad].error != nullptr);
@@ -438,10 +436,7 @@ TEST_CASE("a request that fails is reported with its id; the others go on") {
         if (i == 0) throw std::runtime_error("client went away");
         return true;
       });
-    std::map<int, medusa::request_update> finished;
-    while (!dec.empty())
-      for (auto& u : dec.step())
-        if (u.finished) finished[u.request] = std::move(u);
+    auto finished = drain(dec);
     CHECK(finished[0].reason == medusa::stop_reason::failed);
     CHECK(finished[0].error_message() == "client went away");
     CHECK(finished[1].result.tokens == alone[1]);
