@@ -75,6 +75,12 @@ double weight_bandwidth(const model& m, int threads) {
   return cache[threads] = best;
 }
 
+// Wall seconds per iteration of a benchmark loop that started at `t0`.
+double seconds_per_iteration(const benchmark::State& state, std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+         static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
+}
+
 std::vector<int> context_tokens() {
   std::mt19937 rng(11);
   std::vector<int> t(kContext);
@@ -100,8 +106,7 @@ void BM_decode(benchmark::State& state) {
     e.decode(tok, kContext, logits);
     tok = 259 + medusa::argmax(logits) % 1789;
   }
-  const double per_token = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
-                           static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
+  const double per_token = seconds_per_iteration(state, t0);
   const double bw = weight_bandwidth(*m, 2);
   // roofline time (weight bytes ÷ bandwidth) ÷ measured time per token; the goal is ≥ 0.6
   state.counters["roofline_fraction"] = static_cast<double>(m->weight_bytes()) / bw / per_token;
@@ -165,8 +170,7 @@ void BM_tree_step(benchmark::State& state) {
     e.forward(batch);
     benchmark::DoNotOptimize(logits.data());
   }
-  const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
-                          static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
+  const double per_step = seconds_per_iteration(state, t0);
   // The cost curve time(N) / time(1), relative to the N = 1 run of this process with the same
   // weight format (automatic backend).
   static std::map<long, double> one;
@@ -242,8 +246,7 @@ void BM_batch_step(benchmark::State& state) {
     e.forward(step);
     benchmark::DoNotOptimize(logits.data());
   }
-  const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
-                          static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
+  const double per_step = seconds_per_iteration(state, t0);
   static double one = 0;  // B = 1, N = 1 of this process
   if (B == 1 && n == 1) one = per_step;
   if (one > 0) state.counters["cost_vs_B1N1"] = per_step / one;
