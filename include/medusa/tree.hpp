@@ -19,6 +19,7 @@
 //! | `tree/runtime_tree.hpp` | `medusa::tree` (run time, owns its buffers) |
 //! | `tree/mask.hpp` | `tree_mask_view`, dense and FlashInfer mask writers |
 //! | `tree/preset_table.hpp` | the preset table, `preset_names()`, `preset_text()` |
+//! | `tree/search.hpp` | `path_calibration`, `step_cost_curve`, `optimize_tree` (the best tree for a machine) |
 //! | `tree/presets.hpp` | compile-time presets and tags (not included here: costs compile time) |
 //!
 //! @code
@@ -37,4 +38,5 @@
 #include <medusa/tree/parse.hpp>
 #include <medusa/tree/preset_table.hpp>
 #include <medusa/tree/runtime_tree.hpp>
+#include <medusa/tree/search.hpp>
 #include <medusa/tree/static_tree.hpp>

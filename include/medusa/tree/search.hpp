@@ -1,0 +1,329 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file tree/search.hpp
+//! Tree search: the tree that maximises expected tokens per second on one machine, from how often
+//! the heads' drafts are right (`path_calibration`) and what a step of N tokens costs there
+//! (`step_cost_curve`). docs/tree.md, "Choosing a tree", explains the model.
+//!
+//! With greedy acceptance a node's drafts are committed iff every token on its path is the
+//! model's own next token, and siblings carry distinct tokens, so at most one node per depth is
+//! accepted and E[tokens per step] = 1 + Σ_{non-root nodes u} P(path(u) is right). For a fixed
+//! node count the best tree is therefore the N−1 most probable paths: P never grows along a path,
+//! so that set is prefix-closed (ties: shorter first, then canonical order). The search ranks
+//! every path once, and the best tree of each size is a prefix of that ranking; it then picks the
+//! size whose E[tokens] ÷ cost is largest.
+//!
+//! @code
+//! #include <medusa/tree/search.hpp>
+//! auto cal = medusa::path_calibration::from_accuracy({{0.7, 0.1}, {0.6, 0.1}});
+//! medusa::step_cost_curve cost{.rows = {1, 4, 16}, .seconds = {1.0e-3, 1.2e-3, 2.0e-3}, .head_seconds = 5e-5};
+//! medusa::tree_plan plan = medusa::optimize_tree(cal, cost, {.max_nodes = 16});
+//! auto t = medusa::tree::from_paths(plan.paths);  // plan.predicted_speedup: vs plain decoding
+//! @endcode
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/error.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <queue>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+MEDUSA_NAMESPACE_BEGIN
+
+namespace detail {
+inline std::string path_text(std::span<const int> p) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(p[i]);
+  }
+  s += ']';
+  return s;
+}
+}  // namespace detail
+
+//! How often each draft path is right: P(the rank-r_1 token of head 0, then the rank-r_2 token of
+//! head 1, ... are all the model's next tokens). Two sources:
+//! - *path-conditional* counts measured from real decoding (`from_counts`): exact for models whose
+//!   heads are right together or wrong together (loops, boilerplate);
+//! - a per-head accuracy table (`from_accuracy`), combined as if the heads were independent.
+class path_calibration {
+ public:
+  //! Independent heads: P(path) = Π_k acc[k][path[k]]. `acc[k][r]` = how often the rank-r token
+  //! of head k is right. Throws `invalid_input` on an empty table, ragged rows, or values outside
+  //! [0, 1] (or NaN), or a head whose ranks sum above 1.
+  static path_calibration from_accuracy(std::vector<std::vector<double>> acc) {
+    if (acc.empty() || acc[0].empty()) throw invalid_input("calibration: the accuracy table is empty");
+    for (std::size_t k = 0; k < acc.size(); ++k) {
+      if (acc[k].size() != acc[0].size())
+        throw invalid_input("calibration: head " + std::to_string(k) + " has " + std::to_string(acc[k].size()) +
+                            " ranks, head 0 has " + std::to_string(acc[0].size()));
+      double sum = 0;
+      for (std::size_t r = 0; r < acc[k].size(); ++r) {
+        const double a = acc[k][r];
+        if (!(a >= 0.0 && a <= 1.0))
+          throw invalid_input("calibration: accuracy of head " + std::to_string(k) + " rank " + std::to_string(r) +
+                              " is " + std::to_string(a) + ", not in [0, 1]");
+        sum += a;
+      }
+      if (sum > 1.0 + 1e-6)
+        throw invalid_input("calibration: the ranks of head " + std::to_string(k) + " sum to " + std::to_string(sum) +
+                            " > 1");
+    }
+    path_calibration c;
+    c.heads_ = static_cast<int>(acc.size());
+    c.topk_ = static_cast<int>(acc[0].size());
+    c.acc_ = std::move(acc);
+    return c;
+  }
+
+  //! Path-conditional counts: of `positions` decoding positions, `count` had drafts matching
+  //! `path` (every prefix of a listed path must be listed; unlisted paths were never right).
+  //! Throws `invalid_input` on 0 positions, a path that is empty, too deep (> `num_heads`), has a
+  //! rank outside [0, topk) or is listed twice, a count above `positions` or above its prefix's
+  //! count, or a missing prefix.
+  static path_calibration from_counts(int num_heads, int topk, std::uint64_t positions,
+                                      const std::vector<std::pair<std::vector<int>, std::uint64_t>>& counts) {
+    if (num_heads < 1 || topk < 1)
+      throw invalid_input("calibration: num_heads and topk must be >= 1, got " + std::to_string(num_heads) + " and " +
+                          std::to_string(topk));
+    if (positions == 0) throw invalid_input("calibration: no positions were counted");
+    path_calibration c;
+    c.heads_ = num_heads;
+    c.topk_ = topk;
+    c.positions_ = positions;
+    for (const auto& [p, n] : counts) {
+      const std::string name = "calibration: path " + detail::path_text(p);
+      if (p.empty()) throw invalid_input("calibration: an empty path is listed");
+      if (p.size() > static_cast<std::size_t>(num_heads))
+        throw invalid_input(name + " is deeper than the " + std::to_string(num_heads) + " heads");
+      for (int r : p)
+        if (r < 0 || r >= topk) throw invalid_input(name + ": rank " + std::to_string(r) + " is outside [0, " + std::to_string(topk) + ")");
+      if (n > positions)
+        throw invalid_input(name + " has count " + std::to_string(n) + " > " + std::to_string(positions) + " positions");
+      if (!c.counts_.emplace(p, n).second) throw invalid_input(name + " is listed twice");
+    }
+    for (const auto& [p, n] : c.counts_) {
+      if (p.size() < 2) continue;
+      const std::vector<int> prefix(p.begin(), p.end() - 1);
+      const auto it = c.counts_.find(prefix);
+      if (it == c.counts_.end())
+        throw invalid_input("calibration: path " + detail::path_text(p) + " is listed but its prefix " +
+                            detail::path_text(prefix) + " is not");
+      if (n > it->second)
+        throw invalid_input("calibration: path " + detail::path_text(p) + " has count " + std::to_string(n) +
+                            " > its prefix's count " + std::to_string(it->second));
+    }
+    return c;
+  }
+
+  //! Heads covered (the deepest path a tree may use).
+  [[nodiscard]] int num_heads() const noexcept { return heads_; }
+  //! Ranks covered per head.
+  [[nodiscard]] int topk() const noexcept { return topk_; }
+  //! True for measured path counts, false for the independence model.
+  [[nodiscard]] bool conditional() const noexcept { return positions_ > 0; }
+  //! Positions counted (0 for the independence model).
+  [[nodiscard]] std::uint64_t positions() const noexcept { return positions_; }
+
+  //! P(every draft of `path` is right); 0 outside the calibration (too deep, rank ≥ topk).
+  [[nodiscard]] double probability(std::span<const int> path) const {
+    if (path.empty()) return 1.0;
+    if (path.size() > static_cast<std::size_t>(heads_)) return 0.0;
+    for (int r : path)
+      if (r < 0 || r >= topk_) return 0.0;
+    if (conditional()) {
+      const auto it = counts_.find(std::vector<int>(path.begin(), path.end()));
+      return it == counts_.end() ? 0.0 : static_cast<double>(it->second) / static_cast<double>(positions_);
+    }
+    double p = 1.0;
+    for (std::size_t k = 0; k < path.size(); ++k) p *= acc_[k][static_cast<std::size_t>(path[k])];
+    return p;
+  }
+
+  //! Expected tokens per step of a tree under greedy acceptance: 1 (the root) + Σ P(path).
+  [[nodiscard]] double expected_tokens(const std::vector<std::vector<int>>& paths) const {
+    double s = 1.0;
+    for (const auto& p : paths) s += probability(p);
+    return s;
+  }
+
+ private:
+  int heads_ = 0;
+  int topk_ = 0;
+  std::uint64_t positions_ = 0;
+  std::map<std::vector<int>, std::uint64_t> counts_;
+  std::vector<std::vector<double>> acc_;
+};
+
+//! What a decoding step costs on one machine, model, thread count and weight format: the forward
+//! pass of a step of `rows[i]` tokens takes `seconds[i]` (a plain step is rows = 1), and a Medusa
+//! step adds the heads (`head_seconds` per head the tree reaches) and the work around the model
+//! (`overhead_seconds`: candidates, acceptance, KV commit). Steps between measured sizes are
+//! interpolated linearly, beyond the last extrapolated from the last two points.
+struct step_cost_curve {
+  std::vector<int> rows;         //!< step sizes measured, strictly ascending, rows[0] == 1
+  std::vector<double> seconds;   //!< forward seconds of each size
+  double head_seconds = 0;       //!< per head the tree reaches, per step
+  double overhead_seconds = 0;   //!< per Medusa step, outside the model and the heads
+
+  //! Throws `invalid_input` naming the problem: no sizes, sizes and times of different lengths,
+  //! rows[0] != 1, sizes not ascending, times not positive and finite, negative head or overhead
+  //! times.
+  void validate() const {
+    if (rows.empty()) throw invalid_input("step cost: no step sizes");
+    if (rows.size() != seconds.size())
+      throw invalid_input("step cost: " + std::to_string(rows.size()) + " step sizes but " +
+                          std::to_string(seconds.size()) + " times");
+    if (rows[0] != 1) throw invalid_input("step cost: the first step size must be 1 (a plain step), got " + std::to_string(rows[0]));
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      if (i > 0 && rows[i] <= rows[i - 1])
+        throw invalid_input("step cost: step sizes must ascend, got " + std::to_string(rows[i - 1]) + " then " +
+                            std::to_string(rows[i]));
+      if (!(seconds[i] > 0.0) || !std::isfinite(seconds[i]))
+        throw invalid_input("step cost: the time of a " + std::to_string(rows[i]) + "-token step is " +
+                            std::to_string(seconds[i]));
+    }
+    if (!(head_seconds >= 0.0) || !std::isfinite(head_seconds))
+      throw invalid_input("step cost: head_seconds is " + std::to_string(head_seconds));
+    if (!(overhead_seconds >= 0.0) || !std::isfinite(overhead_seconds))
+      throw invalid_input("step cost: overhead_seconds is " + std::to_string(overhead_seconds));
+  }
+
+  //! Forward seconds of a step of `n` ≥ 1 tokens.
+  [[nodiscard]] double forward_seconds(int n) const {
+    const auto hi = std::lower_bound(rows.begin(), rows.end(), n);
+    if (hi != rows.end() && *hi == n) return seconds[static_cast<std::size_t>(hi - rows.begin())];
+    if (rows.size() == 1) return seconds[0] * n;
+    std::size_t j = hi == rows.end() ? rows.size() - 1 : static_cast<std::size_t>(hi - rows.begin());
+    if (j == 0) j = 1;
+    const double x0 = rows[j - 1], x1 = rows[j], y0 = seconds[j - 1], y1 = seconds[j];
+    return std::max(seconds[0], y0 + (y1 - y0) * (n - x0) / (x1 - x0));
+  }
+  //! Seconds of a plain decoding step.
+  [[nodiscard]] double plain_seconds() const { return seconds[0]; }
+  //! Seconds of a Medusa step over a tree of `nodes` nodes and `depth` heads.
+  [[nodiscard]] double medusa_seconds(int nodes, int depth) const {
+    return forward_seconds(nodes) + depth * head_seconds + overhead_seconds;
+  }
+};
+
+//! Limits of `optimize_tree`.
+struct tree_search_options {
+  int max_nodes = 64;  //!< largest tree, root included (≥ 2)
+  int max_depth = 0;   //!< longest path; 0 = every head of the calibration
+};
+
+//! The prediction for the best tree of one size.
+struct tree_size_estimate {
+  int nodes = 0;                //!< root included
+  int depth = 0;                //!< heads reached
+  double expected_tokens = 0;   //!< per step, root included
+  double relative_cost = 0;     //!< step seconds ÷ plain step seconds
+  double speedup = 0;           //!< expected_tokens ÷ relative_cost
+};
+
+//! The chosen tree and the prediction behind it.
+struct tree_plan {
+  std::vector<std::vector<int>> paths;     //!< canonical order, root excluded
+  double expected_tokens = 1;              //!< per step, root included
+  double relative_cost = 1;                //!< step seconds ÷ plain step seconds
+  double predicted_speedup = 0;            //!< tokens per second ÷ plain decoding's
+  std::vector<tree_size_estimate> sizes;   //!< every size searched, 2 nodes first
+
+  //! Nodes of the tree, root included.
+  [[nodiscard]] int nodes() const noexcept { return static_cast<int>(paths.size()) + 1; }
+};
+
+//! The most probable paths in ranking order (probability descending, then shorter first, then
+//! canonical order), at most `count` of them, none deeper than `max_depth` (0 = every head) and
+//! none with probability 0. Every prefix of the ranking is the best prefix-closed tree of its size.
+[[nodiscard]] inline std::vector<std::vector<int>> ranked_paths(const path_calibration& cal, int count, int max_depth = 0) {
+  if (max_depth <= 0 || max_depth > cal.num_heads()) max_depth = cal.num_heads();
+  struct entry {
+    double p;
+    std::vector<int> path;
+  };
+  // Highest probability first; ties: shorter, then lexicographic (canonical order).
+  auto worse = [](const entry& a, const entry& b) {
+    if (a.p != b.p) return a.p < b.p;
+    if (a.path.size() != b.path.size()) return a.path.size() > b.path.size();
+    return a.path > b.path;
+  };
+  std::priority_queue<entry, std::vector<entry>, decltype(worse)> frontier(worse);
+  auto push_children = [&](const std::vector<int>& parent) {
+    if (static_cast<int>(parent.size()) >= max_depth) return;
+    std::vector<int> child = parent;
+    child.push_back(0);
+    for (int r = 0; r < cal.topk(); ++r) {
+      child.back() = r;
+      const double p = cal.probability(child);
+      if (p > 0.0) frontier.push({p, child});
+    }
+  };
+  std::vector<std::vector<int>> out;
+  push_children({});
+  // A path enters the frontier when its parent is taken: P never grows along a path and ties
+  // prefer the shorter path, so the frontier always holds the next path of the global ranking.
+  while (static_cast<int>(out.size()) < count && !frontier.empty()) {
+    entry e = frontier.top();
+    frontier.pop();
+    push_children(e.path);
+    out.push_back(std::move(e.path));
+  }
+  return out;
+}
+
+//! The tree with the highest predicted tokens per second among the best trees of every size from
+//! 2 to `max_nodes` nodes and every depth limit (the heads a tree reaches cost time too). When no
+//! tree beats plain decoding the plan still holds the best one (predicted_speedup < 1): the caller
+//! decides whether to decode plainly. Throws `invalid_input` for max_nodes < 2 or a bad cost curve.
+[[nodiscard]] inline tree_plan optimize_tree(const path_calibration& cal, const step_cost_curve& cost,
+                                             const tree_search_options& opt = {}) {
+  if (opt.max_nodes < 2) throw invalid_input("tree search: max_nodes must be >= 2, got " + std::to_string(opt.max_nodes));
+  cost.validate();
+  const int max_depth = opt.max_depth <= 0 ? cal.num_heads() : std::min(opt.max_depth, cal.num_heads());
+  tree_plan plan;
+  plan.sizes.resize(static_cast<std::size_t>(opt.max_nodes - 1));
+  std::vector<std::vector<int>> best_paths;
+  // The best tree of n nodes and depth ≤ d is the first n − 1 paths of the depth-d ranking.
+  for (int d = 1; d <= max_depth; ++d) {
+    auto ranked = ranked_paths(cal, opt.max_nodes - 1, d);
+    if (ranked.empty()) ranked.push_back({0});  // no draft was ever right: the cheapest tree
+    double tokens = 1.0;
+    int depth = 0;
+    for (std::size_t i = 0; i < ranked.size(); ++i) {
+      tokens += cal.probability(ranked[i]);
+      depth = std::max(depth, static_cast<int>(ranked[i].size()));
+      tree_size_estimate e;
+      e.nodes = static_cast<int>(i) + 2;
+      e.depth = depth;
+      e.expected_tokens = tokens;
+      e.relative_cost = cost.medusa_seconds(e.nodes, depth) / cost.plain_seconds();
+      e.speedup = tokens / e.relative_cost;
+      tree_size_estimate& slot = plan.sizes[i];
+      if (slot.nodes == 0 || e.speedup > slot.speedup) slot = e;
+      if (best_paths.empty() || e.speedup > plan.predicted_speedup) {
+        best_paths.assign(ranked.begin(), ranked.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+        plan.expected_tokens = e.expected_tokens;
+        plan.relative_cost = e.relative_cost;
+        plan.predicted_speedup = e.speedup;
+      }
+    }
+  }
+  std::erase_if(plan.sizes, [](const tree_size_estimate& e) { return e.nodes == 0; });
+  std::sort(best_paths.begin(), best_paths.end(), [](const auto& x, const auto& y) {
+    return x.size() != y.size() ? x.size() < y.size() : x < y;
+  });
+  plan.paths = std::move(best_paths);
+  return plan;
+}
+
+MEDUSA_NAMESPACE_END
