@@ -1,0 +1,135 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file decoder/step_cost.hpp
+//! Measures an engine's step-cost curve (`step_cost_curve`, tree/search.hpp): the forward time of
+//! a step of N tokens for several N, and the time of the draft heads, on the model and heads that
+//! will decode. `optimize_tree` turns it and a calibration into the best tree for this machine.
+//!
+//! The forward passes run at slots `[context, context + N)` after a prefill of `context` tokens
+//! in the request's cache, and write K/V there: measure before decoding into that cache (or on a
+//! request id that is free), never in the middle of a request.
+//!
+//! @code
+//! medusa::step_cost_curve cost = medusa::measure_step_cost(engine, heads, {.rows = {1, 2, 4, 8, 16}});
+//! auto plan = medusa::optimize_tree(calibration, cost, {.max_nodes = 16});
+//! @endcode
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/decoder.hpp>
+#include <medusa/decoder/model.hpp>
+#include <medusa/error.hpp>
+#include <medusa/tree/search.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+MEDUSA_NAMESPACE_BEGIN
+
+//! What `measure_step_cost` measures, and how long it may take.
+struct step_cost_options {
+  std::vector<int> rows = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};  //!< step sizes, ascending, first 1
+  int context = 128;            //!< committed tokens the steps attend to (clamped to the cache)
+  int repeats = 3;              //!< timings per size; the fastest is kept
+  double budget_seconds = 0.5;  //!< after this, remaining sizes are timed once, then skipped
+  int request = 0;              //!< the request id whose cache is used (batch models)
+};
+
+namespace detail {
+inline double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace detail
+
+//! Measures a batch model's step-cost curve on request `opt.request` and the draft heads' cost
+//! per head. Sizes the budget leaves out are dropped (at least sizes 1 and the next are kept);
+//! the curve extrapolates past the last. Throws `invalid_input` on bad options (sizes not
+//! ascending from 1, a context that leaves no room for the largest step) and whatever the model
+//! or heads throw.
+template <batch_decoder_model Model, draft_heads Heads>
+step_cost_curve measure_step_cost(Model& model, Heads& heads, const step_cost_options& opt) {
+  {
+    step_cost_curve shape{.rows = opt.rows, .seconds = std::vector<double>(opt.rows.size(), 1.0)};
+    shape.validate();
+  }
+  if (opt.repeats < 1) throw invalid_input("step cost: repeats must be >= 1, got " + std::to_string(opt.repeats));
+  const int max_rows = opt.rows.back();
+  int capacity = std::numeric_limits<int>::max();
+  if constexpr (context_bounded_model<Model>) capacity = static_cast<int>(model.max_context());
+  else capacity = kv_capacity(model.kv_cache(opt.request));
+  const int context = std::min(opt.context, capacity - max_rows);
+  if (context < 1)
+    throw invalid_input("step cost: a " + std::to_string(max_rows) + "-token step does not fit a cache of " +
+                        std::to_string(capacity) + " slots");
+  if constexpr (kv_reserving_model<Model>) model.reserve(opt.request, context + max_rows);
+
+  const int vocab = model.vocab_size(), hidden = model.hidden_size();
+  const auto rows_max = static_cast<std::size_t>(std::max(context, max_rows));
+  std::vector<std::int32_t> tokens(rows_max), positions(rows_max);
+  std::vector<float> logits(static_cast<std::size_t>(max_rows) * static_cast<std::size_t>(vocab));
+  std::vector<float> states(static_cast<std::size_t>(max_rows) * static_cast<std::size_t>(hidden));
+  const int request = opt.request;
+  auto run = [&](int n, int cache_length, bool last_only) {
+    for (int i = 0; i < n; ++i) {
+      tokens[static_cast<std::size_t>(i)] = (i * 7 + 1) % vocab;
+      positions[static_cast<std::size_t>(i)] = cache_length + i;
+    }
+    const int indptr[2] = {0, n};
+    const int lengths[1] = {cache_length};
+    ragged_batch b;
+    b.requests = std::span<const int>(&request, 1);
+    b.qo_indptr = indptr;
+    b.tokens = std::span<const std::int32_t>(tokens.data(), static_cast<std::size_t>(n));
+    b.positions = std::span<const std::int32_t>(positions.data(), static_cast<std::size_t>(n));
+    b.cache_lengths = lengths;
+    b.last_row_only = last_only;
+    const std::size_t out_rows = last_only ? 1 : static_cast<std::size_t>(n);
+    b.logits = std::span<float>(logits.data(), out_rows * static_cast<std::size_t>(vocab));
+    b.hidden = std::span<float>(states.data(), out_rows * static_cast<std::size_t>(hidden));
+    model.forward(b);  // causal within the step: a chain costs what a tree of as many nodes does
+  };
+  run(context, 0, true);  // the prefix the steps attend to; also warms caches and threads
+
+  step_cost_curve curve;
+  const double start = detail::now_seconds();
+  for (const int n : opt.rows) {
+    const bool over = detail::now_seconds() - start > opt.budget_seconds;
+    if (over && curve.rows.size() >= 2) break;
+    double best = std::numeric_limits<double>::infinity();
+    for (int r = 0; r < (over ? 1 : opt.repeats); ++r) {
+      const double t0 = detail::now_seconds();
+      run(n, context, false);
+      best = std::min(best, detail::now_seconds() - t0);
+    }
+    curve.rows.push_back(n);
+    curve.seconds.push_back(std::max(best, 1e-9));
+  }
+  // The heads: one hidden state through every head, per head.
+  if (heads.num_heads() > 0) {
+    std::vector<float> head_logits(static_cast<std::size_t>(heads.num_heads()) * static_cast<std::size_t>(vocab));
+    double best = std::numeric_limits<double>::infinity();
+    for (int r = 0; r < opt.repeats + 1; ++r) {
+      const double t0 = detail::now_seconds();
+      heads.forward(std::span<const float>(states.data(), static_cast<std::size_t>(hidden)), head_logits);
+      if (r > 0) best = std::min(best, detail::now_seconds() - t0);  // the first call sizes buffers
+    }
+    curve.head_seconds = best / heads.num_heads();
+  }
+  if constexpr (kv_releasing_model<Model>) model.release(opt.request, 0);
+  return curve;
+}
+
+//! The same for a single-request model (`decoder_model`); its cache is overwritten.
+template <decoder_model Model, draft_heads Heads>
+  requires(!batch_decoder_model<Model>)
+step_cost_curve measure_step_cost(Model& model, Heads& heads, const step_cost_options& opt) {
+  detail::single_request_model<Model> one(model);
+  step_cost_options o = opt;
+  o.request = 0;
+  return measure_step_cost(one, heads, o);
+}
+
+MEDUSA_NAMESPACE_END
