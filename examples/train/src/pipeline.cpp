@@ -228,6 +228,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
       v_tokens += vanilla.back().stats.new_tokens;
       v_secs += vanilla.back().stats.seconds.total;
     }
+    const medusa::path_calibration path_cal = rep.cal.paths();
     std::vector<std::pair<std::string, medusa::tree>> trees;
     const std::size_t max_d = std::min<std::size_t>(o.heads, 5);
     if (o.heads >= 4) trees.emplace_back("mc_sim_7b_63", medusa::tree::preset("mc_sim_7b_63"));
@@ -236,12 +237,12 @@ run_report run_training(const run_options& o, const run_events& ev) {
       for (std::size_t dd = 1; dd <= max_d; ++dd) chain.emplace_back(dd, 0);
       trees.emplace_back("chain_" + std::to_string(max_d), medusa::tree::from_paths(chain));
     }
-    for (std::size_t budget : {7u, 15u, 31u, 63u}) trees.emplace_back("calibrated_" + std::to_string(budget + 1), medusa::tree::from_paths(grow_tree(rep.cal, budget, max_d, 10)));
+    for (std::size_t budget : {7u, 15u, 31u, 63u}) trees.emplace_back("calibrated_" + std::to_string(budget + 1), medusa::tree::from_paths(best_tree(rep.cal, budget + 1, max_d)));
     for (auto& [name, tr] : trees) {
       acceptance_result ar;
       ar.tree = name;
       ar.nodes = tr.num_nodes();
-      ar.predicted = 1.0 + rep.cal.expected_accepted(tr.sorted_paths());
+      ar.predicted = path_cal.expected_tokens(tr.sorted_paths());
       ar.vanilla_tokens_per_second = v_secs > 0 ? v_tokens / v_secs : 0;
       medusa::decoder dec(dm, runner, tr, medusa::greedy_policy{});
       double toks = 0, steps = 0, secs = 0;
@@ -292,7 +293,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
   const std::size_t grow_depth = std::min<std::size_t>(o.heads, 5);
   for (std::size_t nodes : {4u, 6u, 8u, 16u, 32u, 64u}) {
     std::string text = "[";
-    const auto paths = grow_tree(rep.cal, nodes - 1, grow_depth, 10);
+    const auto paths = best_tree(rep.cal, nodes, grow_depth);
     for (std::size_t i = 0; i < paths.size(); ++i) {
       text += i ? "," : "";
       text += "[";

@@ -271,14 +271,14 @@ double calibration::top(std::size_t k, std::size_t n) const {
   return s;
 }
 
-double calibration::expected_accepted(const std::vector<std::vector<int>>& paths) const {
-  double s = 0;
-  for (const auto& p : paths) {
-    double v = 1;
-    for (std::size_t i = 0; i < p.size(); ++i) v *= p[i] >= 0 ? acc(i, static_cast<std::size_t>(p[i])) : 0.0;
-    s += v;
-  }
-  return s;
+medusa::path_calibration calibration::paths() const {
+  if (path_positions > 0)
+    return medusa::path_calibration::from_counts(static_cast<int>(num_heads), static_cast<int>(topk), path_positions,
+                                                 {path_counts.begin(), path_counts.end()});
+  std::vector<std::vector<double>> table(num_heads, std::vector<double>(topk));
+  for (std::size_t k = 0; k < num_heads; ++k)
+    for (std::size_t r = 0; r < topk; ++r) table[k][r] = acc(k, r);
+  return medusa::path_calibration::from_accuracy(std::move(table));
 }
 
 calibration evaluate(head_trainer& t, const distill_cache& data, split which, std::size_t topk, const float* lm_head, std::size_t batch) {
@@ -340,6 +340,17 @@ calibration evaluate(head_trainer& t, const distill_cache& data, split which, st
         ++c.base_positions;
         c.base_hits += base_hit[i] != 0;
       }
+      // The path this position's drafts would have been right on: the targets' ranks in heads
+      // 0, 1, ... up to the first one outside the top-k (or without a target).
+      if (rank[i * K] < 0) continue;
+      ++c.path_positions;
+      std::vector<int> path;
+      for (std::size_t k = 0; k < K; ++k) {
+        const std::int32_t rk = rank[i * K + k];
+        if (rk < 0 || static_cast<std::size_t>(rk) >= topk) break;
+        path.push_back(rk);
+        ++c.path_counts[path];
+      }
     }
   }
   for (std::size_t k = 0; k < K; ++k)
@@ -353,7 +364,7 @@ std::string calibration_json(const calibration& c, const std::string& meta) {
     std::snprintf(b, sizeof b, "%.6f", v);
     return std::string(b);
   };
-  std::string j = "{\n  \"format\": \"medusa-calibration\",\n  \"version\": 1,\n";
+  std::string j = "{\n  \"format\": \"medusa-calibration\",\n  \"version\": " + std::string(c.path_positions ? "2" : "1") + ",\n";
   if (!meta.empty()) j += meta + ",\n";
   j += "  \"num_heads\": " + std::to_string(c.num_heads) + ",\n  \"topk\": " + std::to_string(c.topk) + ",\n";
   j += "  \"sequences\": " + std::to_string(c.sequences) + ",\n  \"positions\": [";
@@ -377,39 +388,32 @@ std::string calibration_json(const calibration& c, const std::string& meta) {
   j += "],\n  \"mean_loss\": [";
   for (std::size_t k = 0; k < c.num_heads; ++k) j += (k ? ", " : "") + num(c.mean_loss[k]);
   j += "],\n  \"base_agreement\": " +
-       (c.base_positions ? num(static_cast<double>(c.base_hits) / static_cast<double>(c.base_positions)) : std::string("null")) + "\n}\n";
+       (c.base_positions ? num(static_cast<double>(c.base_hits) / static_cast<double>(c.base_positions)) : std::string("null"));
+  if (c.path_positions) {
+    j += ",\n  \"path_positions\": " + std::to_string(c.path_positions) + ",\n  \"path_counts\": [";
+    bool first = true;
+    for (const auto& [path, n] : c.path_counts) {
+      j += first ? "\n    [[" : ",\n    [[";
+      first = false;
+      for (std::size_t i = 0; i < path.size(); ++i) {
+        if (i) j += ',';
+        j += std::to_string(path[i]);
+      }
+      j += "], ";
+      j += std::to_string(n);
+      j += ']';
+    }
+    j += "\n  ]";
+  }
+  j += "\n}\n";
   return j;
 }
 
-std::vector<std::vector<int>> grow_tree(const calibration& c, std::size_t budget, std::size_t max_depth, std::size_t max_child) {
-  max_depth = std::min(max_depth, c.num_heads);
-  max_child = std::min(max_child, c.topk);
-  std::vector<std::vector<int>> tree;
-  if (budget == 0 || max_depth == 0 || max_child == 0) return tree;
-  auto value = [&](const std::vector<int>& p) { return c.expected_accepted({p}); };
-  // Frontier ordered by value (descending), then canonical order (length, lexicographic).
-  auto better = [&](const std::vector<int>& a, const std::vector<int>& b) {
-    const double va = value(a), vb = value(b);
-    if (va != vb) return va > vb;
-    if (a.size() != b.size()) return a.size() < b.size();
-    return a < b;
-  };
-  std::vector<std::vector<int>> frontier{{0}};
-  std::set<std::vector<int>> seen{{0}};
-  while (tree.size() < budget && !frontier.empty()) {
-    auto it = std::min_element(frontier.begin(), frontier.end(), better);
-    std::vector<int> p = *it;
-    frontier.erase(it);
-    tree.push_back(p);
-    std::vector<int> sib = p;
-    if (static_cast<std::size_t>(++sib.back()) < max_child && seen.insert(sib).second) frontier.push_back(sib);
-    if (p.size() < max_depth) {
-      std::vector<int> child = p;
-      child.push_back(0);
-      if (seen.insert(child).second) frontier.push_back(child);
-    }
-  }
-  return tree;
+std::vector<std::vector<int>> best_tree(const calibration& c, std::size_t nodes, std::size_t max_depth) {
+  if (nodes < 2) return {};
+  auto paths = medusa::ranked_paths(c.paths(), static_cast<int>(nodes - 1), static_cast<int>(max_depth));
+  std::sort(paths.begin(), paths.end(), [](const auto& x, const auto& y) { return x.size() != y.size() ? x.size() < y.size() : x < y; });
+  return paths;
 }
 
 }  // namespace medusa_train

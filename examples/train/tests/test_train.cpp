@@ -9,6 +9,7 @@
 
 #include <medusa/decoder.hpp>
 #include <medusa/io/head_checkpoint.hpp>
+#include <medusa/io/tree_search_files.hpp>
 #include <medusa/tree.hpp>
 
 #include <medusa_llama/engine.hpp>
@@ -273,9 +274,18 @@ TEST_CASE("synthetic task: heads learn a deterministic next-token rule to >= 95%
     const std::string js = medusa_train::calibration_json(cal);
     CHECK(js.find("\"accuracy\"") != std::string::npos);
     CHECK(js.find("\"num_heads\": 3") != std::string::npos);
-    // The grown tree starts with the best path and stays prefix-closed (it compiles).
-    const auto paths = medusa_train::grow_tree(cal, 10, 3, 10);
-    CHECK(paths.size() == 10);
+    // Path counts: every position with a head-0 target is counted once, a path never more often
+    // than its prefix, and the head-0 rank-0 path as often as head 0's top-1 hits.
+    CHECK(js.find("\"version\": 2") != std::string::npos);
+    CHECK(cal.path_positions == cal.positions[0]);
+    CHECK(cal.path_counts.at({0}) == cal.hits[0][0]);
+    const auto pc = medusa::parse_calibration(js);
+    CHECK(pc.conditional());
+    CHECK(pc.probability(std::vector<int>{0}) == doctest::Approx(cal.top(0, 1)));
+    // The best tree starts with the best path and stays prefix-closed (it compiles).
+    const auto paths = medusa_train::best_tree(cal, 11, 3);
+    CHECK(!paths.empty());
+    CHECK(paths.size() <= 10);
     CHECK(paths[0] == std::vector<int>{0});
     CHECK_NOTHROW((void)medusa::tree::from_paths(paths));
   }

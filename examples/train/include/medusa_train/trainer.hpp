@@ -21,11 +21,13 @@
 #include <medusa_train/head_math.hpp>
 
 #include <medusa/io/head_checkpoint.hpp>
+#include <medusa/tree/search.hpp>
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -149,14 +151,18 @@ struct calibration {
   std::uint64_t base_positions = 0;            //!< positions checked for lm_head agreement
   std::uint64_t base_hits = 0;                 //!< argmax(lm_head(h_t)) == token t+1 (data sanity)
   std::size_t sequences = 0;                   //!< sequences evaluated
+  //! Path-conditional counts: of `path_positions` positions, how many had the drafts of each path
+  //! right (the ranks of the targets of heads 0, 1, ..., up to the first rank ≥ topk).
+  std::uint64_t path_positions = 0;
+  std::map<std::vector<int>, std::uint64_t> path_counts;
 
   //! acc[k][r] = hits / positions (0 when there are no positions).
   [[nodiscard]] double acc(std::size_t k, std::size_t r) const;
   //! Σ_{r<n} acc[k][r]: top-n accuracy of head k.
   [[nodiscard]] double top(std::size_t k, std::size_t n) const;
-  //! Expected accepted drafts per step of a tree under the independence assumption:
-  //! Σ over non-root nodes of Π acc[depth−1][rank] along the path.
-  [[nodiscard]] double expected_accepted(const std::vector<std::vector<int>>& paths) const;
+  //! The calibration the tree search consumes: the path counts (the independence model of the
+  //! accuracy table when no path was counted).
+  [[nodiscard]] medusa::path_calibration paths() const;
 };
 
 //! Evaluates the heads on the sequences of `which` split (every position with a target).
@@ -169,12 +175,8 @@ calibration evaluate(head_trainer& t, const distill_cache& data, split which, st
 //! (a JSON object's members, e.g. `"model": "..."`), may be empty.
 [[nodiscard]] std::string calibration_json(const calibration& c, const std::string& meta_members = {});
 
-//! Greedy tree growth from a calibration table (docs/training.md). The value of a path is the
-//! product of acc[depth−1][rank] along it; starting from the frontier {[0]}, the frontier path of
-//! highest value (ties: canonical order) joins the tree and brings in its next sibling
-//! (rank + 1 < max_child) and its first child (length < max_depth, capped by the number of heads),
-//! until the tree has `budget` non-root nodes.
-[[nodiscard]] std::vector<std::vector<int>> grow_tree(const calibration& c, std::size_t budget, std::size_t max_depth = 5,
-                                                      std::size_t max_child = 10);
+//! The best tree of `nodes` nodes (root included) under the path-conditional calibration:
+//! the `nodes − 1` most probable paths, none deeper than `max_depth` (docs/training.md).
+[[nodiscard]] std::vector<std::vector<int>> best_tree(const calibration& c, std::size_t nodes, std::size_t max_depth = 5);
 
 }  // namespace medusa_train
