@@ -3,7 +3,8 @@
 // compare the two.
 //
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
-//              [--tree PRESET|TEXT|FILE] [--policy greedy|typical|rejection] [--temperature T]
+//              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
+//              [--cost-cache DIR|none] [--policy greedy|typical|rejection] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights int8|bf16|f32]
 //              [--threads N] [--json]
@@ -21,6 +22,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "auto_tree.hpp"
 #include "tool_common.hpp"
 
 #include <chrono>
@@ -43,7 +45,10 @@ using medusa_tools::usage_error;
 enum class run_mode { vanilla, medusa, both };
 
 struct run_args {
-  std::string model, tokenizer, heads, tree = "mc_sim_7b_63", policy = "greedy", prompt, prompt_file, prompts_file;
+  std::string model, tokenizer, heads, tree = "auto", policy = "greedy", prompt, prompt_file, prompts_file;
+  int max_nodes = 64;                                    // --tree auto: largest tree considered
+  std::string step_cost_file, step_cost_out, cost_cache;  // --tree auto: the step-cost curve
+  std::string calibration;                               // --tree auto: default calibration.json beside the heads
   std::optional<int> batch;  // requests at once with --prompts-file (default 1)
   run_mode mode = run_mode::medusa;
   std::optional<float> temperature;  // unset: the policy's default
@@ -105,6 +110,7 @@ struct run_report {
   std::string mode;
   medusa::decode_result result;
   std::string text;
+  nlohmann::json tree;  // the tree of a Medusa run (null for plain decoding)
 };
 
 nlohmann::json to_json(const run_report& r) {
@@ -120,6 +126,7 @@ nlohmann::json to_json(const run_report& r) {
   j["tokens_per_second"] = s.tokens_per_second();
   j["stop_reason"] = std::string(medusa::to_string(r.result.reason));
   j["prompt_tokens"] = s.prompt_tokens;
+  if (!r.tree.is_null()) j["tree"] = r.tree;
   if (r.mode == "medusa") {
     j["accepted_histogram"] = s.accepted_histogram;
     j["accepted_at_depth"] = s.accepted_at_depth;
@@ -138,7 +145,7 @@ using run_policies = medusa::policy_list<medusa::greedy_policy, medusa::typical_
 
 // The heads `--heads` names (a file or directory, or random:K[:SEED]), checked against the model
 // and the tree.
-medusa::head_weights load_head_weights(const run_args& a, const medusa_llama::model& m, const medusa::tree& tree) {
+medusa::head_weights load_head_weights(const run_args& a, const medusa_llama::model& m, int min_depth) {
   const auto& cfg = m.config();
   if (a.heads.empty())
     throw usage_error("--mode " + std::string(a.mode == run_mode::both ? "both" : "medusa") +
@@ -150,14 +157,14 @@ medusa::head_weights load_head_weights(const run_args& a, const medusa_llama::mo
     medusa::head_load_options opt;
     opt.hidden_size = static_cast<std::size_t>(cfg.dim);
     opt.vocab_size = static_cast<std::size_t>(cfg.vocab_size);
-    opt.min_heads = static_cast<std::size_t>(tree.depth());
+    opt.min_heads = static_cast<std::size_t>(min_depth);
     opt.dtype = medusa::weight_dtype::f32;
     auto loaded = medusa::load_heads(a.heads, opt);
     for (const auto& w : loaded.warnings) std::fprintf(stderr, "medusa-run: warning: %s\n", w.message.c_str());
     head_w = std::move(loaded.heads);
   }
-  if (static_cast<int>(head_w.num_heads()) < tree.depth())
-    throw medusa::decode_error("the tree is " + std::to_string(tree.depth()) + " deep but only " +
+  if (static_cast<int>(head_w.num_heads()) < min_depth)
+    throw medusa::decode_error("the tree is " + std::to_string(min_depth) + " deep but only " +
                                std::to_string(head_w.num_heads()) + " heads are loaded");
   return head_w;
 }
@@ -173,6 +180,111 @@ medusa_llama::packed_heads pack_heads(Engine& eng, const medusa::head_weights& w
   // Their precision only changes which drafts are proposed (the model verifies every one), so
   // int8 is the default.
   return medusa_llama::packed_heads(eng, stack, a.head_weights, depth);
+}
+
+// The tree a run decodes with, and what `--json` says about it.
+struct tree_choice {
+  std::optional<medusa::tree> tree;
+  nlohmann::json info;  // spec, paths, nodes, depth; for auto also the prediction and its inputs
+};
+
+nlohmann::json describe(const medusa::tree& t, const std::string& spec) {
+  return {{"spec", spec}, {"paths", t.sorted_paths()}, {"nodes", t.num_nodes()}, {"depth", t.depth()}};
+}
+
+// `--tree auto` before the model loads: what it will need (errors surface before the slow parts).
+struct auto_inputs {
+  bool random_heads = false;
+  std::optional<std::filesystem::path> calibration_file;
+  std::optional<medusa::path_calibration> calibration;
+  std::optional<medusa::step_cost_curve> given_cost;  // --step-cost
+};
+
+auto_inputs prepare_auto(const run_args& a) {
+  auto_inputs in;
+  if (a.max_nodes < 2 || a.max_nodes > 256) throw usage_error("--max-nodes must be in [2, 256], got " + std::to_string(a.max_nodes));
+  in.random_heads = a.heads.rfind("random:", 0) == 0;
+  std::error_code ec;
+  if (!a.step_cost_file.empty()) {
+    if (!std::filesystem::is_regular_file(a.step_cost_file, ec)) throw usage_error("--step-cost " + a.step_cost_file + ": cannot open");
+    in.given_cost = medusa::read_step_cost(a.step_cost_file);
+  }
+  if (!a.calibration.empty()) {
+    if (!std::filesystem::is_regular_file(a.calibration, ec)) throw usage_error("--calibration " + a.calibration + ": cannot open");
+    in.calibration_file = a.calibration;
+  } else if (!in.random_heads && !a.heads.empty()) {
+    in.calibration_file = medusa_tools::calibration_beside(a.heads);
+  }
+  if (in.calibration_file) in.calibration = medusa::read_calibration(*in.calibration_file);
+  return in;
+}
+
+// `--tree auto` once the engine exists: random heads get a small chain (they are never right);
+// trained heads the tree `optimize_tree` picks from their calibration and this machine's step
+// costs. Heads without a calibration get a chain too, with a warning saying so.
+template <class Engine>
+tree_choice choose_auto_tree(const run_args& a, const auto_inputs& in, Engine& eng, const medusa::head_weights& head_w,
+                             int batch, int max_rows) {
+  const int heads = static_cast<int>(head_w.num_heads());
+  tree_choice c;
+  if (!in.calibration) {
+    const int depth = std::min(heads, 3);
+    c.tree = medusa::tree::from_paths(medusa_tools::chain_paths(depth));
+    c.info = describe(*c.tree, "auto");
+    c.info["reason"] = in.random_heads ? "random heads: a small chain" : "no calibration.json beside the heads: a small chain";
+    if (!in.random_heads)
+      std::fprintf(stderr, "medusa-run: warning: no calibration.json beside %s: --tree auto uses a %d-node chain (pass --tree)\n",
+                   a.heads.c_str(), depth + 1);
+    return c;
+  }
+  const medusa::path_calibration& cal = *in.calibration;
+  medusa_tools::step_cost_source src;
+  medusa::step_cost_curve curve;
+  if (in.given_cost) {
+    curve = *in.given_cost;
+    src = {"file", a.step_cost_file, 0.0};
+  } else {
+    std::vector<int> rows;
+    for (int n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256})
+      if (n == 1 || (n <= max_rows && n <= std::max(2, batch * a.max_nodes))) rows.push_back(n);
+    const std::string key = medusa_tools::step_cost_key(a.model, eng.threads(), a.weights == medusa_llama::weight_format::bf16 ? "bf16" : "f32",
+                                                        a.head_weights == medusa_llama::weight_format::int8   ? "int8"
+                                                        : a.head_weights == medusa_llama::weight_format::bf16 ? "bf16"
+                                                                                                                : "f32",
+                                                        heads, rows);
+    curve = medusa_tools::cached_step_cost(
+        medusa_tools::cost_cache_dir(a.cost_cache), key,
+        [&] {
+          auto all = pack_heads(eng, head_w, a, heads);
+          return medusa::measure_step_cost(eng, all, {.rows = rows});
+        },
+        src);
+  }
+  if (!a.step_cost_out.empty()) {
+    std::ofstream out(a.step_cost_out, std::ios::binary);
+    out << medusa::step_cost_json(curve);
+    if (!out) throw medusa::io_error("--step-cost-out " + a.step_cost_out + ": cannot write");
+  }
+  const auto plan = medusa::optimize_tree(cal, medusa_tools::per_request_curve(curve, batch, a.max_nodes),
+                                          {.max_nodes = a.max_nodes, .max_depth = heads});
+  medusa::tree_options topt;
+  topt.topk = std::max(medusa::default_topk, cal.topk());
+  c.tree = medusa::tree::from_paths(plan.paths, topt);
+  c.info = describe(*c.tree, "auto");
+  c.info["expected_tokens_per_step"] = plan.expected_tokens;
+  c.info["relative_step_cost"] = plan.relative_cost;
+  c.info["predicted_speedup"] = plan.predicted_speedup;
+  c.info["calibration"] = in.calibration_file->string();
+  c.info["calibration_kind"] = cal.conditional() ? "path-conditional" : "independent";
+  c.info["step_cost"] = {{"source", src.kind}, {"file", src.file}, {"measure_seconds", src.seconds}, {"batch", batch}};
+  const std::string where = src.kind == "measured" ? fmt::format("measured in {:.2f} s", src.seconds) : src.kind + " " + src.file;
+  std::fprintf(stderr, "tree auto: %s (%d nodes): %.2f tokens/step expected, a step costs %.2fx a plain one, predicted speedup %.2fx (step costs %s)\n",
+               c.info["paths"].dump().c_str(), c.tree->num_nodes(), plan.expected_tokens, plan.relative_cost, plan.predicted_speedup,
+               where.c_str());
+  if (plan.predicted_speedup < 1.0)
+    std::fprintf(stderr, "medusa-run: warning: no tree is predicted to beat plain decoding on this machine (best %.2fx)\n",
+                 plan.predicted_speedup);
+  return c;
 }
 
 // Tokenized prompt (BOS first) that leaves room for at least one new token.
@@ -249,17 +361,29 @@ batch_report serve_all(Decoder& dec, medusa_llama::batch_engine& eng, const std:
   return rep;
 }
 
+// " (predicted N.NNx)" when the tree search chose the tree.
+std::string predicted_note(const nlohmann::json& info) {
+  if (!info.is_object() || !info.contains("predicted_speedup")) return {};
+  return fmt::format(" (predicted {:.2f}x)", info["predicted_speedup"].get<double>());
+}
+
 // --prompts-file: every prompt decoded plainly and/or with Medusa, `--batch` at a time, on the
 // serving engine (one ragged forward per step over a paged KV pool).
 template <class Policy>
 int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vector<std::vector<std::int32_t>>& prompts,
-              const std::optional<medusa::tree>& tree, const medusa::head_weights& head_w, const Policy& policy) {
+              const std::optional<medusa::tree>& given_tree, const auto_inputs& ain, const medusa::head_weights& head_w,
+              const Policy& policy) {
+  const bool auto_tree = a.mode != run_mode::vanilla && !given_tree;
   medusa_llama::batch_engine_options eo;
   eo.threads = a.threads;
   eo.max_requests = *a.batch;
-  eo.max_tokens = std::max(256, *a.batch * (tree ? tree->num_nodes() : 1));
+  eo.max_tokens = std::max(256, *a.batch * (auto_tree ? a.max_nodes : given_tree ? given_tree->num_nodes() : 1));
   eo.weights = a.weights;
   medusa_llama::batch_engine eng(std::move(lm.weights), eo);
+  tree_choice choice;
+  if (auto_tree) choice = choose_auto_tree(a, ain, eng, head_w, *a.batch, eo.max_tokens);
+  else if (given_tree) choice = {given_tree, describe(*given_tree, a.tree)};
+  const std::optional<medusa::tree>& tree = choice.tree;
   medusa::decode_options dopt;
   dopt.max_new_tokens = a.max_new_tokens;
   dopt.eos_token = lm.tok->eos_id();
@@ -298,7 +422,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   if (a.json) {
     for (const auto& r : reports)
       for (std::size_t i = 0; i < prompts.size(); ++i) {
-        run_report one{r.mode, r.results[i], r.texts[i]};
+        run_report one{r.mode, r.results[i], r.texts[i], {}};
         auto j = to_json(one);
         j["request"] = i;
         std::printf("%s\n", j.dump().c_str());
@@ -306,6 +430,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
     nlohmann::json summary = {{"batch", *a.batch}, {"requests", prompts.size()}, {"threads", eng.threads()},
                               {"max_new_tokens", a.max_new_tokens}};
     for (const auto& r : reports) summary[r.mode] = to_json(r);
+    if (tree) summary["tree"] = choice.info;
     if (reports.size() == 2) {
       summary["identical"] = differ.empty();
       summary["differing_requests"] = differ;
@@ -322,9 +447,10 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
       std::fprintf(stderr, "%-7s %zu requests, batch %d: %ld tokens in %6.3f s: %7.1f tokens/s, %5.2f tokens/step\n",
                    r.mode.c_str(), prompts.size(), *a.batch, r.tokens(), r.seconds, r.tokens_per_second(), r.mean_accepted());
     if (reports.size() == 2)
-      std::fprintf(stderr, "tokens identical: %s (%zu of %zu requests differ)%s\nspeedup (medusa / vanilla tokens per second): %.2fx\n",
+      std::fprintf(stderr, "tokens identical: %s (%zu of %zu requests differ)%s\nspeedup (medusa / vanilla tokens per second): %.2fx%s\n",
                    differ.empty() ? "yes" : "no", differ.size(), prompts.size(),
-                   greedy ? "" : " (only greedy decoding is expected to match token for token)", speedup);
+                   greedy ? "" : " (only greedy decoding is expected to match token for token)", speedup,
+                   predicted_note(choice.info).c_str());
   }
   if (greedy && !differ.empty()) {
     std::fprintf(stderr, "medusa-run: error: greedy Medusa tokens differ from plain decoding for request %zu\n", differ[0]);
@@ -349,8 +475,11 @@ int run(run_args a) {
   medusa::dispatch_policy(a.policy, popt, [](const auto&) {}, run_policies{});
 
   // Everything that can be checked is checked before the slow parts start.
+  const bool auto_tree = want_medusa && a.tree == "auto";
   std::optional<medusa::tree> tree;
-  if (want_medusa) tree = load_tree(a.tree);
+  auto_inputs ain;
+  if (auto_tree) ain = prepare_auto(a);
+  else if (want_medusa) tree = load_tree(a.tree);
   std::vector<std::string> prompt_texts;
   if (batched) {
     std::error_code ec;
@@ -367,11 +496,11 @@ int run(run_args a) {
     prompts.push_back(encode_prompt(*lm.tok, prompt_texts[i], cfg.seq_len,
                                     batched ? "prompt #" + std::to_string(i + 1) + " " : std::string("prompt ")));
   medusa::head_weights head_w;
-  if (want_medusa) head_w = load_head_weights(a, lm.weights, *tree);
+  if (want_medusa) head_w = load_head_weights(a, lm.weights, auto_tree ? 1 : tree->depth());
 
   if (batched) {
     int rc = 0;
-    medusa::dispatch_policy(a.policy, popt, [&](auto policy) { rc = run_batch(a, lm, prompts, tree, head_w, policy); },
+    medusa::dispatch_policy(a.policy, popt, [&](auto policy) { rc = run_batch(a, lm, prompts, tree, ain, head_w, policy); },
                             run_policies{});
     return rc;
   }
@@ -379,10 +508,17 @@ int run(run_args a) {
 
   medusa_llama::engine_options eo;
   eo.threads = a.threads;
-  eo.max_batch = std::max(64, want_medusa ? tree->num_nodes() : 1);
+  eo.max_batch = std::max(64, auto_tree ? a.max_nodes : want_medusa ? tree->num_nodes() : 1);
   eo.backend = medusa_llama::gemm_backend::builtin;
   eo.weights = a.weights;
   medusa_llama::engine model(std::move(lm.weights), eo);
+  tree_choice choice;
+  if (auto_tree) {
+    choice = choose_auto_tree(a, ain, model, head_w, 1, eo.max_batch);
+    tree = choice.tree;
+  } else if (want_medusa) {
+    choice = {tree, describe(*tree, a.tree)};
+  }
   std::optional<medusa_llama::packed_heads> heads;
   if (want_medusa) heads.emplace(pack_heads(model, head_w, a, tree->depth()));
 
@@ -413,6 +549,7 @@ int run(run_args a) {
           medusa::decoder dec(model, *heads, t, policy);
           return dec.generate(prompt, dopt, on_token);
         });
+        r.tree = choice.info;
       }
       r.text = sink.text();
       if (stream) {
@@ -435,12 +572,12 @@ int run(run_args a) {
         const bool same = reports[0].result.tokens == reports[1].result.tokens;
         const double speedup =
             speedup_of(reports[0].result.stats.tokens_per_second(), reports[1].result.stats.tokens_per_second());
-        std::fprintf(stderr, "tokens identical: %s%s\nspeedup (medusa / vanilla tokens per second): %.2fx\n",
+        std::fprintf(stderr, "tokens identical: %s%s\nspeedup (medusa / vanilla tokens per second): %.2fx%s\n",
                      same ? "yes" : "no",
                      std::is_same_v<decltype(policy), medusa::greedy_policy>
                          ? ""
                          : " (only greedy decoding is expected to match token for token)",
-                     speedup);
+                     speedup, predicted_note(choice.info).c_str());
       }
     }
   };
@@ -457,7 +594,17 @@ int main(int argc, char** argv) {
   app.add_option("--model", a.model, "llama2.c .bin file or Hugging Face model directory")->required();
   app.add_option("--tokenizer", a.tokenizer, "tokenizer (default: tokenizer.bin beside a .bin model, tokenizer.json in a directory)");
   app.add_option("--heads", a.heads, "heads file or directory (medusa-train output), or random:K[:SEED]");
-  app.add_option("--tree", a.tree, "preset name, tree text ([[0],[0,0],...]) or a file")->capture_default_str();
+  app.add_option("--tree", a.tree,
+                 "auto (the best tree for the heads' calibration.json and this machine), a preset name, tree text "
+                 "([[0],[0,0],...]) or a file")
+      ->capture_default_str();
+  app.add_option("--max-nodes", a.max_nodes, "--tree auto: the largest tree considered (root included)")->capture_default_str();
+  app.add_option("--calibration", a.calibration, "--tree auto: the heads' calibration (default: calibration.json beside them)");
+  app.add_option("--step-cost", a.step_cost_file, "--tree auto: use this step-cost curve instead of measuring one");
+  app.add_option("--step-cost-out", a.step_cost_out, "--tree auto: also write the step-cost curve used to this file");
+  app.add_option("--cost-cache", a.cost_cache,
+                 "--tree auto: cache directory of measured step costs (default $MEDUSA_CACHE_DIR, $XDG_CACHE_HOME/medusa or "
+                 "~/.cache/medusa; none = no cache)");
   app.add_option("--policy", a.policy, "greedy | typical | rejection")->capture_default_str();
   app.add_option("--temperature", a.temperature, "temperature (default: typical 0.7, rejection 1.0)");
   app.add_option("--top-p", a.top_p, "nucleus mass for --policy rejection (1 = off)")->capture_default_str();

@@ -8,7 +8,12 @@
 //!   docs/tools.md).
 //! * `text`: the tree drawn for a person (node id, path, rank, depth, tree index).
 //! * `dot`: Graphviz.
+//!
+//! `medusa-tree optimize --calibration F --cost F [--max-nodes N] [--max-depth D] [--format
+//! text|json]`: the tree with the most expected tokens per second (docs/tree.md, "Choosing a
+//! tree"), its expected tokens per step and predicted speedup, and the best tree of every size.
 //! Invalid input: exit 2 and one line on stderr.
+#include <medusa/io/tree_search_files.hpp>
 #include <medusa/tree.hpp>
 
 #include "tool_common.hpp"
@@ -95,6 +100,40 @@ std::string to_dot(const medusa::tree& t) {
   return out;
 }
 
+std::string paths_text(const std::vector<std::vector<int>>& paths) {
+  std::vector<std::string> parts;
+  for (const auto& p : paths) parts.push_back(path_text(p));
+  return fmt::format("[{}]", fmt::join(parts, ","));
+}
+
+std::string plan_json(const medusa::tree_plan& p, const medusa::path_calibration& cal) {
+  std::string out = fmt::format(
+      "{{\"paths\":{},\"nodes\":{},\"expected_tokens\":{:.6f},\"relative_cost\":{:.6f},\"predicted_speedup\":{:.6f},"
+      "\"calibration\":\"{}\",\"sizes\":[",
+      paths_text(p.paths), p.nodes(), p.expected_tokens, p.relative_cost, p.predicted_speedup,
+      cal.conditional() ? "path-conditional" : "independent");
+  for (std::size_t i = 0; i < p.sizes.size(); ++i) {
+    const auto& e = p.sizes[i];
+    fmt::format_to(std::back_inserter(out),
+                   "{}{{\"nodes\":{},\"depth\":{},\"expected_tokens\":{:.6f},\"relative_cost\":{:.6f},\"speedup\":{:.6f}}}",
+                   i ? "," : "", e.nodes, e.depth, e.expected_tokens, e.relative_cost, e.speedup);
+  }
+  return out + "]}\n";
+}
+
+std::string plan_text(const medusa::tree_plan& p, const medusa::path_calibration& cal) {
+  std::string out = fmt::format("tree: {}\n", paths_text(p.paths));
+  out += fmt::format("{} nodes; expected {:.3f} tokens per step ({} calibration{})\n", p.nodes(), p.expected_tokens,
+                     cal.conditional() ? "path-conditional" : "independent-heads",
+                     cal.conditional() ? fmt::format(", {} positions", cal.positions()) : std::string());
+  out += fmt::format("a step costs {:.3f} plain steps: predicted speedup {:.2f}x\n", p.relative_cost, p.predicted_speedup);
+  out += "nodes  depth  tokens/step  cost  speedup\n";
+  for (const auto& e : p.sizes)
+    out += fmt::format("{:5}  {:5}  {:11.3f}  {:4.2f}  {:6.2f}x{}\n", e.nodes, e.depth, e.expected_tokens, e.relative_cost,
+                       e.speedup, e.nodes == p.nodes() ? "  <" : "");
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -107,7 +146,33 @@ int main(int argc, char** argv) {
   app.add_option("--topk", opts.topk, "candidates per head (default 10, the reference value)");
   app.add_option("--max-depth", opts.max_depth, "longest path allowed (default 16)");
   app.add_option("--format", format, "json (default), text or dot")->check(CLI::IsMember({"json", "text", "dot"}));
+  auto* optimize = app.add_subcommand("optimize", "the tree with the most expected tokens per second on a machine");
+  std::string calibration_file, cost_file, plan_format = "text";
+  medusa::tree_search_options search;
+  optimize->add_option("--calibration", calibration_file, "calibration.json (medusa-train writes it beside the heads)")->required();
+  optimize->add_option("--cost", cost_file, "step-cost curve (medusa-run --step-cost-out F measures one)")->required();
+  optimize->add_option("--max-nodes", search.max_nodes, "largest tree, root included")->capture_default_str();
+  optimize->add_option("--max-depth", search.max_depth, "longest path (0 = every head of the calibration)")->capture_default_str();
+  optimize->add_option("--format", plan_format, "text (default) or json")->check(CLI::IsMember({"json", "text"}));
   return medusa_tools::run_tool(app, argc, argv, [&] {
+    if (optimize->parsed()) {
+      if (o_preset->count() || o_choices->count() || o_file->count())
+        throw usage_error("optimize takes --calibration and --cost, not a tree");
+      // An unreadable file is bad input here, like an unreadable --choices-file.
+      auto input = [](auto&& read) {
+        try {
+          return read();
+        } catch (const medusa::io_error& e) {
+          throw usage_error(e.what());
+        }
+      };
+      const auto cal = input([&] { return medusa::read_calibration(calibration_file); });
+      const auto cost = input([&] { return medusa::read_step_cost(cost_file); });
+      const auto plan = medusa::optimize_tree(cal, cost, search);
+      const std::string out = plan_format == "json" ? plan_json(plan, cal) : plan_text(plan, cal);
+      std::fwrite(out.data(), 1, out.size(), stdout);
+      return std::fflush(stdout) == 0 ? medusa_tools::exit_ok : medusa_tools::exit_failure;
+    }
     const int sources = static_cast<int>(o_preset->count() > 0) + static_cast<int>(o_choices->count() > 0) +
                         static_cast<int>(o_file->count() > 0);
     if (sources != 1) throw usage_error("give exactly one of --preset, --choices, --choices-file");

@@ -9,24 +9,24 @@
 
 #include <vector>
 
-TEST_CASE("the measured curve is valid, starts at a plain step and grows with the step size") {
+TEST_CASE("the measured curve is valid, starts at a plain step and never falls with the step size") {
   tiny::tiny_model model(256);
   tiny::random_heads heads(3, 5);
-  const auto curve = medusa::measure_step_cost(model, heads, {.rows = {1, 8, 64}, .context = 64, .repeats = 2, .budget_seconds = 10});
+  const auto curve = medusa::measure_step_cost(model, heads, {.rows = {1, 8, 64}, .context = 64, .repeats = 2, .budget_seconds = 1});
   CHECK_NOTHROW(curve.validate());
   CHECK(curve.rows == std::vector<int>{1, 8, 64});
-  // The tiny model's forward is linear in the tokens: 64 tokens cost more than one.
-  CHECK(curve.seconds[2] > curve.seconds[0]);
+  CHECK(curve.seconds[1] >= curve.seconds[0]);
+  CHECK(curve.seconds[2] >= curve.seconds[1]);
   CHECK(curve.head_seconds > 0.0);
-  CHECK(model.forward_calls == 1 + 3 * 2);  // prefill + sizes x repeats
+  CHECK(model.forward_calls >= 1 + 1 + 3 * 2);  // prefill, warm-up, sizes x rounds
 }
 
-TEST_CASE("past the budget, sizes are timed once and then dropped") {
+TEST_CASE("past the budget, no new round starts") {
   tiny::tiny_model model(256);
   tiny::random_heads heads(2, 5);
-  const auto curve = medusa::measure_step_cost(model, heads, {.rows = {1, 2, 4, 8}, .context = 16, .repeats = 3, .budget_seconds = 0});
-  CHECK(curve.rows == std::vector<int>{1, 2});
-  CHECK(model.forward_calls == 1 + 1 + 1);
+  const auto curve = medusa::measure_step_cost(model, heads, {.rows = {1, 2, 4, 8}, .context = 16, .repeats = 5, .budget_seconds = 0});
+  CHECK(curve.rows == std::vector<int>{1, 2, 4, 8});
+  CHECK(model.forward_calls == 1 + 1 + 4);  // prefill, one warm-up step, one round
 }
 
 TEST_CASE("bad options are refused; the context is clamped to the cache") {

@@ -33,8 +33,8 @@ MEDUSA_NAMESPACE_BEGIN
 struct step_cost_options {
   std::vector<int> rows = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};  //!< step sizes, ascending, first 1
   int context = 128;            //!< committed tokens the steps attend to (clamped to the cache)
-  int repeats = 3;              //!< timings per size; the fastest is kept
-  double budget_seconds = 0.5;  //!< after this, remaining sizes are timed once, then skipped
+  int repeats = 10;             //!< rounds over every size at most; the fastest time of each is kept
+  double budget_seconds = 0.5;  //!< no new round starts after this (a tenth goes to warming up)
   int request = 0;              //!< the request id whose cache is used (batch models)
 };
 
@@ -45,8 +45,9 @@ inline double now_seconds() {
 }  // namespace detail
 
 //! Measures a batch model's step-cost curve on request `opt.request` and the draft heads' cost
-//! per head. Sizes the budget leaves out are dropped (at least sizes 1 and the next are kept);
-//! the curve extrapolates past the last. Throws `invalid_input` on bad options (sizes not
+//! per head: a warm-up, then rounds over every size until `repeats` rounds or the budget (one
+//! round at least: a model whose steps are slow takes longer than the budget), the fastest time
+//! of each size, made non-decreasing in the step size. Throws `invalid_input` on bad options (sizes not
 //! ascending from 1, a context that leaves no room for the largest step) and whatever the model
 //! or heads throw.
 template <batch_decoder_model Model, draft_heads Heads>
@@ -93,20 +94,27 @@ step_cost_curve measure_step_cost(Model& model, Heads& heads, const step_cost_op
   };
   run(context, 0, true);  // the prefix the steps attend to; also warms caches and threads
 
+  // Warm-up: threads spun up, weights and the prefix in cache, frequency settled.
+  const double warm_until = detail::now_seconds() + opt.budget_seconds * 0.1;
+  do run(opt.rows.back(), context, false);
+  while (detail::now_seconds() < warm_until);
+
+  // Rounds over every size, so that drift (frequency, other processes) hits all sizes alike; the
+  // fastest time of each size is kept. At least one round; more while the budget lasts.
   step_cost_curve curve;
+  curve.rows = opt.rows;
+  curve.seconds.assign(opt.rows.size(), std::numeric_limits<double>::infinity());
   const double start = detail::now_seconds();
-  for (const int n : opt.rows) {
-    const bool over = detail::now_seconds() - start > opt.budget_seconds;
-    if (over && curve.rows.size() >= 2) break;
-    double best = std::numeric_limits<double>::infinity();
-    for (int r = 0; r < (over ? 1 : opt.repeats); ++r) {
+  for (int round = 0; round < opt.repeats; ++round) {
+    if (round > 0 && detail::now_seconds() - start > opt.budget_seconds) break;
+    for (std::size_t i = 0; i < opt.rows.size(); ++i) {
       const double t0 = detail::now_seconds();
-      run(n, context, false);
-      best = std::min(best, detail::now_seconds() - t0);
+      run(opt.rows[i], context, false);
+      curve.seconds[i] = std::min(curve.seconds[i], std::max(detail::now_seconds() - t0, 1e-9));
     }
-    curve.rows.push_back(n);
-    curve.seconds.push_back(std::max(best, 1e-9));
   }
+  // A larger step never costs less: what looks cheaper is noise.
+  for (std::size_t i = 1; i < curve.seconds.size(); ++i) curve.seconds[i] = std::max(curve.seconds[i], curve.seconds[i - 1]);
   // The heads: one hidden state through every head, per head.
   if (heads.num_heads() > 0) {
     std::vector<float> head_logits(static_cast<std::size_t>(heads.num_heads()) * static_cast<std::size_t>(vocab));
