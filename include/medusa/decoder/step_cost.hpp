@@ -100,10 +100,22 @@ step_cost_curve measure_step_cost(Model& model, Heads& heads, const step_cost_op
   while (detail::now_seconds() < warm_until);
 
   // Rounds over every size, so that drift (frequency, other processes) hits all sizes alike; the
-  // fastest time of each size is kept. At least one round; more while the budget lasts.
+  // fastest time of each size is kept. At least one round; more while the budget lasts. The heads
+  // run right after each forward, as in decoding: the forward has pushed their weights out of the
+  // caches, which a loop over the heads alone would hide.
+  const int num_heads = heads.num_heads();
+  std::vector<float> head_logits(static_cast<std::size_t>(std::max(num_heads, 1)) * static_cast<std::size_t>(vocab));
+  auto time_heads = [&] {
+    const double t0 = detail::now_seconds();
+    heads.forward(std::span<const float>(states.data(), static_cast<std::size_t>(hidden)),
+                  std::span<float>(head_logits.data(), static_cast<std::size_t>(num_heads) * static_cast<std::size_t>(vocab)));
+    return detail::now_seconds() - t0;
+  };
+  if (num_heads > 0) (void)time_heads();  // the first call may size buffers
   step_cost_curve curve;
   curve.rows = opt.rows;
   curve.seconds.assign(opt.rows.size(), std::numeric_limits<double>::infinity());
+  double head_best = std::numeric_limits<double>::infinity();
   const double start = detail::now_seconds();
   for (int round = 0; round < opt.repeats; ++round) {
     if (round > 0 && detail::now_seconds() - start > opt.budget_seconds) break;
@@ -111,21 +123,12 @@ step_cost_curve measure_step_cost(Model& model, Heads& heads, const step_cost_op
       const double t0 = detail::now_seconds();
       run(opt.rows[i], context, false);
       curve.seconds[i] = std::min(curve.seconds[i], std::max(detail::now_seconds() - t0, 1e-9));
+      if (num_heads > 0) head_best = std::min(head_best, time_heads());
     }
   }
   // A larger step never costs less: what looks cheaper is noise.
   for (std::size_t i = 1; i < curve.seconds.size(); ++i) curve.seconds[i] = std::max(curve.seconds[i], curve.seconds[i - 1]);
-  // The heads: one hidden state through every head, per head.
-  if (heads.num_heads() > 0) {
-    std::vector<float> head_logits(static_cast<std::size_t>(heads.num_heads()) * static_cast<std::size_t>(vocab));
-    double best = std::numeric_limits<double>::infinity();
-    for (int r = 0; r < opt.repeats + 1; ++r) {
-      const double t0 = detail::now_seconds();
-      heads.forward(std::span<const float>(states.data(), static_cast<std::size_t>(hidden)), head_logits);
-      if (r > 0) best = std::min(best, detail::now_seconds() - t0);  // the first call sizes buffers
-    }
-    curve.head_seconds = best / heads.num_heads();
-  }
+  if (num_heads > 0) curve.head_seconds = head_best / num_heads;
   if constexpr (kv_releasing_model<Model>) model.release(opt.request, 0);
   return curve;
 }
