@@ -242,16 +242,17 @@ struct tree_plan {
   [[nodiscard]] int nodes() const noexcept { return static_cast<int>(paths.size()) + 1; }
 };
 
-//! The most probable paths in ranking order (probability descending, then shorter first, then
-//! canonical order), at most `count` of them, none deeper than `max_depth` (0 = every head) and
-//! none with probability 0. Every prefix of the ranking is the best prefix-closed tree of its size.
-[[nodiscard]] inline std::vector<std::vector<int>> ranked_paths(const path_calibration& cal, int count, int max_depth = 0) {
-  if (max_depth <= 0 || max_depth > cal.num_heads()) max_depth = cal.num_heads();
+namespace detail {
+// Paths in ranking order (probability descending, then shorter first, then canonical order), at
+// most `count`, none deeper than `max_depth`, none with probability 0. `prob(span<const int>)`
+// must never grow along a path: then the frontier (children of the paths taken) always holds the
+// next path of the global ranking, and every prefix of the ranking is prefix-closed.
+template <class Prob>
+std::vector<std::vector<int>> ranked_by(Prob&& prob, int topk, int count, int max_depth) {
   struct entry {
     double p;
     std::vector<int> path;
   };
-  // Highest probability first; ties: shorter, then lexicographic (canonical order).
   auto worse = [](const entry& a, const entry& b) {
     if (a.p != b.p) return a.p < b.p;
     if (a.path.size() != b.path.size()) return a.path.size() > b.path.size();
@@ -262,16 +263,14 @@ struct tree_plan {
     if (static_cast<int>(parent.size()) >= max_depth) return;
     std::vector<int> child = parent;
     child.push_back(0);
-    for (int r = 0; r < cal.topk(); ++r) {
+    for (int r = 0; r < topk; ++r) {
       child.back() = r;
-      const double p = cal.probability(child);
+      const double p = prob(std::span<const int>(child));
       if (p > 0.0) frontier.push({p, child});
     }
   };
   std::vector<std::vector<int>> out;
   push_children({});
-  // A path enters the frontier when its parent is taken: P never grows along a path and ties
-  // prefer the shorter path, so the frontier always holds the next path of the global ranking.
   while (static_cast<int>(out.size()) < count && !frontier.empty()) {
     entry e = frontier.top();
     frontier.pop();
@@ -279,6 +278,15 @@ struct tree_plan {
     out.push_back(std::move(e.path));
   }
   return out;
+}
+}  // namespace detail
+
+//! The most probable paths in ranking order (probability descending, then shorter first, then
+//! canonical order), at most `count` of them, none deeper than `max_depth` (0 = every head) and
+//! none with probability 0. Every prefix of the ranking is the best prefix-closed tree of its size.
+[[nodiscard]] inline std::vector<std::vector<int>> ranked_paths(const path_calibration& cal, int count, int max_depth = 0) {
+  if (max_depth <= 0 || max_depth > cal.num_heads()) max_depth = cal.num_heads();
+  return detail::ranked_by([&](std::span<const int> p) { return cal.probability(p); }, cal.topk(), count, max_depth);
 }
 
 //! The tree with the highest predicted tokens per second among the best trees of every size from
