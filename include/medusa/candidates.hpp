@@ -10,6 +10,9 @@
 //! than the tree) are set to -1. Nothing here allocates: all outputs are caller-owned spans, or
 //! live in a `candidate_workspace` sized once.
 //!
+//! Candidates *sampled* from the heads' warped softmax (without replacement, for
+//! `draft_sampling_policy`) are `sample_candidates` in acceptance.hpp: they share the target's warp.
+//!
 //! @code
 //! auto t = medusa::tree::preset("mc_sim_7b_63");
 //! medusa::candidate_workspace ws(t, /*num_heads=*/4);

@@ -144,6 +144,9 @@ struct request_update {
 //! A step, for each request in the batch:
 //! - decoding far enough from its limits: heads on its hidden state → candidates → its tree rows
 //!   in the shared ragged forward → acceptance (`verify_batch`) → `kv_commit` → emit root + drafts;
+//!   candidates are the heads' top-K, or, with a `depth_draft_policy` (`draft_sampling_policy`),
+//!   drawn without replacement from the heads' warped softmax (`sample_candidates`, at the step
+//!   of the verify call), whose draft rows go to that request's `verify_request`;
 //! - otherwise (near the end of its context or of `max_new_tokens`, pending EOS, a one-node tree):
 //!   a plain step, emitting the pending token and running it as one row of the same forward.
 //!
@@ -193,6 +196,7 @@ class batch_decoder {
     hidden_out_.resize(B * N * d);
     requests_.resize(B);
     results_.resize(B);
+    if constexpr (samples_drafts) draft_rows_.resize(B * to_size(tree_.depth()) * V);
     step_tokens_.reserve(B * (to_size(tree_.depth()) + 1));
     updates_.reserve(B);
     if constexpr (!has_mask_view) {
@@ -345,6 +349,13 @@ class batch_decoder {
     int out_count = 0;
     int rows = 0;  // rows in the pass being run: a prefill chunk, or 0 = none, 1 = plain step, N > 1 = tree step
   };
+
+  // Sampled drafts: candidates come from `sample_candidates`, one draft row per depth per member.
+  static constexpr bool samples_drafts = depth_draft_policy<Policy>;
+  [[nodiscard]] std::span<float> member_draft_rows(int member) noexcept {
+    const std::size_t size = detail::to_size(tree_.depth()) * detail::to_size(vocab_);
+    return std::span<float>(draft_rows_.data() + detail::to_size(member) * size, size);
+  }
 
   static constexpr bool has_mask_view = requires(const Tree& t) {
     { t.mask_view() } -> std::convertible_to<tree_mask_view>;
@@ -549,7 +560,14 @@ class batch_decoder {
         const auto hl = std::span<const float>(head_logits_.data() + to_size(r) * HV, HV);
         ++r;
         ok = guarded(s, [&] {
-          generate_candidates(tree_, s.pending, hl, vocab_, flat_, std::span<std::int32_t>(toks, to_size(n)));
+          const auto node_tokens = std::span<std::int32_t>(toks, to_size(n));
+          if constexpr (samples_drafts) {  // drafts drawn from the heads' warped softmax (member B's rows)
+            const sampling_warp warp{static_cast<float>(policy_.temperature), static_cast<int>(policy_.top_k),
+                                     static_cast<float>(policy_.top_p)};
+            sample_candidates(tree_, s.pending, hl, vocab_, warp, s.opt.seed, s.step + 1, node_tokens,
+                              member_draft_rows(B), ws_);
+          } else
+            generate_candidates(tree_, s.pending, hl, vocab_, flat_, node_tokens);
           write_node_positions(tree_, L, pos);
         });
       } else {
@@ -588,6 +606,7 @@ class batch_decoder {
       q.seed = s.opt.seed;
       q.step = s.step + 1;
       q.eos_token = s.opt.eos_token;
+      if constexpr (samples_drafts) q.draft_rows = member_draft_rows(i);
       requests_[to_size(verify_count)] = q;
       verify_rows_[to_size(verify_count)] = i;
       ++verify_count;
@@ -664,6 +683,7 @@ class batch_decoder {
   int size_ = 0;
   std::vector<slot> slots_;
   std::vector<float> head_in_, head_logits_, logits_, hidden_out_;
+  std::vector<float> draft_rows_;  // [max_batch][depth][vocab]: sampled drafts' rows, per member
   std::vector<std::int32_t> flat_, tokens_, positions_;
   std::vector<int> ids_, qo_indptr_, cache_lengths_, verify_rows_;
   std::vector<slot*> members_;
