@@ -4,7 +4,7 @@
 //
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
-//              [--cost-cache DIR|none] [--policy greedy|typical|rejection] [--temperature T]
+//              [--cost-cache DIR|none] [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights int8|bf16|f32]
 //              [--threads N] [--json]
@@ -140,8 +140,10 @@ nlohmann::json to_json(const run_report& r) {
 // Medusa tokens/s over plain tokens/s (0 when plain decoding produced nothing).
 double speedup_of(double plain_tps, double medusa_tps) { return plain_tps > 0 ? medusa_tps / plain_tps : 0.0; }
 
-// The policies medusa-run offers (speculative_policy needs draft distributions it has none of).
-using run_policies = medusa::policy_list<medusa::greedy_policy, medusa::typical_policy, medusa::rejection_policy>;
+// The policies medusa-run offers (speculative_policy needs a draft distribution per node, which
+// heads do not give; draft_sampling_policy draws the drafts from the heads' softmax).
+using run_policies = medusa::policy_list<medusa::greedy_policy, medusa::typical_policy, medusa::rejection_policy,
+                                         medusa::draft_sampling_policy>;
 
 // The heads `--heads` names (a file or directory, or random:K[:SEED]), checked against the model
 // and the tree.
@@ -605,9 +607,11 @@ int main(int argc, char** argv) {
   app.add_option("--cost-cache", a.cost_cache,
                  "--tree auto: cache directory of measured step costs (default $MEDUSA_CACHE_DIR, $XDG_CACHE_HOME/medusa or "
                  "~/.cache/medusa; none = no cache)");
-  app.add_option("--policy", a.policy, "greedy | typical | rejection")->capture_default_str();
-  app.add_option("--temperature", a.temperature, "temperature (default: typical 0.7, rejection 1.0)");
-  app.add_option("--top-p", a.top_p, "nucleus mass for --policy rejection (1 = off)")->capture_default_str();
+  app.add_option("--policy", a.policy,
+                 "greedy | typical | rejection | sampled (lossless sampling with drafts drawn from the heads' softmax)")
+      ->capture_default_str();
+  app.add_option("--temperature", a.temperature, "temperature (default: typical 0.7, rejection and sampled 1.0)");
+  app.add_option("--top-p", a.top_p, "nucleus mass for --policy rejection and sampled (1 = off)")->capture_default_str();
   app.add_option("--seed", a.seed, "random seed of the sampling policies")->capture_default_str();
   app.add_option("--prompt", a.prompt, "prompt text (\"\" = start from BOS alone)");
   app.add_option("--prompt-file", a.prompt_file, "read the prompt from a file");

@@ -135,7 +135,8 @@ template <class... Policies>
 struct policy_list {};
 
 //! The built-in policies.
-using builtin_policies = policy_list<greedy_policy, typical_policy, rejection_policy, speculative_policy>;
+using builtin_policies =
+    policy_list<greedy_policy, typical_policy, rejection_policy, speculative_policy, draft_sampling_policy>;
 
 //! The policy `P` with `options` applied (fields a policy does not have are ignored) and validated
 //! (`acceptance_error`, `bad_parameter`). Policies other than the built-in ones are default-constructed.

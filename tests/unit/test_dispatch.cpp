@@ -89,7 +89,7 @@ TEST_CASE("dispatch_policy builds the named policy with its options") {
   }
   // names outside the list
   CHECK(dispatch_message([] { medusa::dispatch_policy("beam", {}, [](const auto&) {}); }) ==
-        "medusa: unsupported policy 'beam'; supported: greedy, typical, rejection, speculative");
+        "medusa: unsupported policy 'beam'; supported: greedy, typical, rejection, speculative, sampled");
   using deterministic = medusa::policy_list<medusa::greedy_policy, medusa::typical_policy>;
   CHECK(dispatch_message([] { medusa::dispatch_policy("rejection", {}, [](const auto&) {}, deterministic{}); }) ==
         "medusa: unsupported policy 'rejection'; supported: greedy, typical");
