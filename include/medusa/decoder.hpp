@@ -48,6 +48,7 @@ namespace detail {
 template <decoder_model Model>
 class single_request_model {
  public:
+  static constexpr bool accepts_request_masks = true;  // one request: its mask is the pass's
   explicit single_request_model(Model& m) : m_(m) {}
   [[nodiscard]] int vocab_size() { return static_cast<int>(m_.vocab_size()); }
   [[nodiscard]] int hidden_size() { return static_cast<int>(m_.hidden_size()); }
@@ -58,7 +59,7 @@ class single_request_model {
     f.tokens = b.tokens;
     f.positions = b.positions;
     f.cache_length = b.cache_lengths[0];
-    f.tree_mask = T > 1 ? b.tree_mask : tree_mask_view{};  // one token: causal and tree agree
+    f.tree_mask = T > 1 ? b.mask_of(0) : tree_mask_view{};  // one token: causal and tree agree
     f.first_output_row = b.last_row_only ? T - 1 : 0;
     f.logits = b.logits;
     f.hidden = b.hidden;
@@ -136,9 +137,11 @@ decode_result generate_vanilla(Model& model, std::span<const std::int32_t> promp
 //!
 //! @tparam Model  satisfies `decoder_model`
 //! @tparam Heads  satisfies `draft_heads` (at least `tree.depth()` heads)
-//! @tparam Tree   satisfies `tree_like` (e.g. `medusa::tree`, a compile-time preset)
+//! @tparam Tree   satisfies `tree_like` (e.g. `medusa::tree`, a compile-time preset), or
+//!                `step_drafts` (`step_drafter`: each tree step builds its own tree, drafts.hpp)
 //! @tparam Policy satisfies `acceptance_policy` (greedy, typical, rejection, user policies)
-template <decoder_model Model, draft_heads Heads, tree_like Tree, acceptance_policy Policy>
+template <decoder_model Model, draft_heads Heads, class Tree, acceptance_policy Policy>
+  requires tree_like<Tree> || step_drafts<Tree>
 class decoder {
   using model_adapter = detail::single_request_model<Model>;
 

@@ -12,24 +12,33 @@
 //! Verification is unchanged, so every draft is lossless: drafts only decide which tokens the
 //! model checks.
 //!
+//! `step_drafter` puts them together for the decoders: pass one where a tree goes
+//! (`medusa::decoder dec(model, heads, drafter, policy)`), and every tree step gets its own tree.
+//!
 //! @code
-//! medusa::ngram_lookup lookup{.min_ngram = 2, .max_ngram = 4, .max_tokens = 8};
-//! std::int32_t cont[8];
-//! int m = lookup.find(history, cont);           // 0 = no match
-//! auto paths = medusa::with_lookup_branch(heads_paths, top_tokens, 10, std::span(cont, m));
+//! medusa::step_drafter drafter({.paths = plan.paths,                      // the heads' tree, or
+//!                               .dynamic_nodes = 0,                       // > 0: this step's best paths
+//!                               .lookup = medusa::ngram_lookup{.max_tokens = 8}}, /*heads=*/4);
+//! medusa::decoder dec(engine, heads, drafter, medusa::greedy_policy{});
 //! @endcode
 #pragma once
 
 #include <medusa/config.hpp>
+#include <medusa/acceptance/error.hpp>
+#include <medusa/candidates.hpp>
+#include <medusa/detail/row_math.hpp>
 #include <medusa/error.hpp>
+#include <medusa/tree.hpp>
 #include <medusa/tree/search.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 MEDUSA_NAMESPACE_BEGIN
@@ -117,5 +126,127 @@ struct ngram_lookup {
   }
   return out;
 }
+
+//! What a `step_drafter` drafts each step.
+struct step_drafter_options {
+  std::vector<std::vector<int>> paths = {};  //!< the heads' tree (ranks < topk) when `dynamic_nodes == 0`
+  int dynamic_nodes = 0;                //!< > 0: this step's `dynamic_nodes − 1` most probable paths instead
+  std::optional<ngram_lookup> lookup = {};  //!< a lookup branch when the request's tokens repeat
+  int topk = default_topk;              //!< candidates per head
+};
+
+//! Builds each tree step's tree and node tokens (see the file comment). A `step_drafts` source:
+//! the decoders call `draft` once per tree step of a request. Not thread-safe (scratch buffers).
+class step_drafter {
+ public:
+  //! `heads`: draft heads available (the heads' tree must not be deeper). Throws `invalid_input`
+  //! (or `tree_error` for bad paths) naming the problem.
+  step_drafter(step_drafter_options opt, int heads) : opt_(std::move(opt)), heads_(heads) {
+    if (heads_ < 1) throw invalid_input("step drafter: needs at least one head, got " + std::to_string(heads_));
+    if (opt_.topk < 1 || opt_.topk > max_tree_topk - 1)
+      throw invalid_input("step drafter: topk must be in [1, " + std::to_string(max_tree_topk - 1) + "), got " +
+                          std::to_string(opt_.topk));
+    if (opt_.dynamic_nodes < 0) throw invalid_input("step drafter: dynamic_nodes must be >= 0");
+    if (opt_.lookup) opt_.lookup->validate();
+    if (opt_.dynamic_nodes == 0) {
+      if (opt_.paths.empty() && !opt_.lookup)
+        throw invalid_input("step drafter: give paths, dynamic_nodes or a lookup");
+      if (!opt_.paths.empty()) {
+        const tree t = tree::from_paths(opt_.paths, {.topk = opt_.topk, .max_depth = heads_});
+        heads_depth_ = t.depth();
+        heads_nodes_ = t.num_nodes();
+        paths_ = t.sorted_paths();
+      } else {
+        heads_nodes_ = 1;
+      }
+    } else {
+      heads_nodes_ = opt_.dynamic_nodes;
+      heads_depth_ = std::min(heads_, std::max(0, opt_.dynamic_nodes - 1));
+    }
+    const int lookup_len = opt_.lookup ? opt_.lookup->max_tokens : 0;
+    max_nodes_ = heads_nodes_ + lookup_len;
+    max_depth_ = std::max(heads_depth_, lookup_len);
+    const auto k = static_cast<std::size_t>(opt_.topk), h = static_cast<std::size_t>(heads_depth_);
+    top_tokens_.resize(h * k);
+    top_probs_.resize(opt_.dynamic_nodes > 0 ? h * k : 0);
+    continuation_.resize(static_cast<std::size_t>(lookup_len));
+  }
+
+  //! Most nodes a step's tree can have (root included): sizes the decoder's buffers.
+  [[nodiscard]] int max_nodes() const noexcept { return max_nodes_; }
+  //! Deepest path a step's tree can have (lookup branches may go deeper than the heads).
+  [[nodiscard]] int max_depth() const noexcept { return max_depth_; }
+  //! Heads read: the depth of the heads' part of the tree.
+  [[nodiscard]] int heads_depth() const noexcept { return heads_depth_; }
+  //! The options.
+  [[nodiscard]] const step_drafter_options& options() const noexcept { return opt_; }
+
+  //! This step's tree and node tokens (`node_tokens`, at least `max_nodes()` entries; the first
+  //! `num_nodes()` of the tree are written). `history` = the request's tokens so far,
+  //! ending with the root; `head_logits` = `[heads][vocab]` (at least `heads_depth()` rows).
+  //! Returns nothing when there is nothing to draft (a lookup alone without a match): a plain step.
+  //! Throws `acceptance_error` for non-finite head logits or a vocabulary smaller than topk.
+  std::optional<tree> draft(std::span<const std::int32_t> history, std::span<const float> head_logits, int vocab,
+                            std::span<std::int32_t> node_tokens) {
+    const auto v = static_cast<std::size_t>(vocab), k = static_cast<std::size_t>(opt_.topk);
+    if (heads_depth_ > 0 && (vocab < opt_.topk || head_logits.size() < static_cast<std::size_t>(heads_depth_) * v))
+      throw acceptance_error(acceptance_errc::size_mismatch,
+                             "step drafter: need " + std::to_string(heads_depth_) + " head rows of a vocab >= topk " +
+                                 std::to_string(opt_.topk) + ", got " + std::to_string(head_logits.size()) +
+                                 " logits for vocab " + std::to_string(vocab));
+    for (int d = 0; d < heads_depth_; ++d) {
+      const auto row = head_logits.subspan(static_cast<std::size_t>(d) * v, v);
+      detail::check_logit_row(row, d, "head");
+      detail::top_k_ids(row.data(), v, opt_.topk, top_tokens_.data() + static_cast<std::size_t>(d) * k);
+      if (opt_.dynamic_nodes > 0) {  // softmax probabilities of the top-k: exp(z − max) / Σ exp(z − max)
+        scratch_.resize(v);
+        const float m = detail::row_max(row.data(), v).max;
+        const double sum = detail::softmax_fill(row.data(), v, m, 1.0f, scratch_.data());
+        for (std::size_t r = 0; r < k; ++r)
+          top_probs_[static_cast<std::size_t>(d) * k + r] =
+              static_cast<float>(scratch_[static_cast<std::size_t>(top_tokens_[static_cast<std::size_t>(d) * k + r])] / sum);
+      }
+    }
+    std::vector<std::vector<int>> paths =
+        opt_.dynamic_nodes > 0 ? dynamic_paths(top_probs_, opt_.topk, opt_.dynamic_nodes - 1, heads_depth_) : paths_;
+    int found = 0;
+    if (opt_.lookup) {
+      found = opt_.lookup->find(history, continuation_);
+      if (found > 0)
+        paths = with_lookup_branch(paths, top_tokens_, opt_.topk, std::span<const std::int32_t>(continuation_.data(), static_cast<std::size_t>(found)));
+    }
+    if (paths.empty()) return std::nullopt;  // lookup alone and no match: a plain step
+    tree out = tree::from_paths(paths, {.topk = opt_.topk + 1, .max_depth = std::max(max_depth_, 1)});
+    if (node_tokens.size() < static_cast<std::size_t>(out.num_nodes()))
+      throw acceptance_error(acceptance_errc::size_mismatch, "step drafter: node_tokens too short");
+    node_tokens[0] = history.empty() ? 0 : history.back();
+    for (int u = 1; u < out.num_nodes(); ++u) {
+      const auto& p = out.sorted_paths()[static_cast<std::size_t>(u) - 1];
+      const std::size_t d = p.size() - 1;
+      const int r = p.back();
+      node_tokens[static_cast<std::size_t>(u)] =
+          r == opt_.topk ? continuation_[d] : top_tokens_[d * k + static_cast<std::size_t>(r)];
+    }
+    return out;
+  }
+
+ private:
+  step_drafter_options opt_;
+  int heads_ = 0, heads_depth_ = 0, heads_nodes_ = 1, max_nodes_ = 1, max_depth_ = 0;
+  std::vector<std::vector<int>> paths_;
+  std::vector<std::int32_t> top_tokens_, continuation_;
+  std::vector<float> top_probs_;
+  std::vector<double> scratch_;
+};
+
+//! A per-step tree source for the decoders (`step_drafter`, or a user type with the same members).
+template <class D>
+concept step_drafts = requires(D& d, std::span<const std::int32_t> history, std::span<const float> logits, int vocab,
+                               std::span<std::int32_t> tokens) {
+  { d.max_nodes() } -> std::convertible_to<int>;
+  { d.max_depth() } -> std::convertible_to<int>;
+  { d.heads_depth() } -> std::convertible_to<int>;
+  { d.draft(history, logits, vocab, tokens) } -> std::same_as<std::optional<tree>>;
+};
 
 MEDUSA_NAMESPACE_END

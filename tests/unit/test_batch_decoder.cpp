@@ -37,6 +37,7 @@ struct pool_exhausted : std::runtime_error {
 class paged_engine {
  public:
   static constexpr int page_size = 4;
+  static constexpr bool accepts_request_masks = true;  // per-step drafts: each request's own tree
 
   paged_engine(const tiny_model& weights, int pool_pages, int max_context, int max_requests, bool bound_context = true)
       : w_(weights), pool_pages_(pool_pages), max_context_(max_context), bound_(bound_context),
@@ -105,7 +106,7 @@ class paged_engine {
       f.tokens = b.tokens.subspan(r0, static_cast<std::size_t>(n));
       f.positions = b.positions.subspan(r0, static_cast<std::size_t>(n));
       f.cache_length = b.cache_lengths[static_cast<std::size_t>(i)];
-      f.tree_mask = b.tree_mask;
+      f.tree_mask = b.mask_of(i);
       f.first_output_row = b.last_row_only ? n - 1 : 0;
       const std::size_t out0 = b.last_row_only ? static_cast<std::size_t>(i) : r0;
       const std::size_t rows = static_cast<std::size_t>(n - f.first_output_row);
@@ -220,7 +221,7 @@ TEST_CASE("a batch with joins and leaves gives each request exactly its tokens a
   const std::vector<int> join_at = {0, 0, 0, 2, 3, 3, 9};
   const std::map<int, int> leave_at = {{2, 4}};  // request 2 leaves mid-way
 
-  auto check = [&](auto& heads, const medusa::tree& tree) {
+  auto check = [&](auto& heads, const auto& tree) {
     paged_engine eng(weights, 600, 256, requests);
     medusa::batch_decoder dec(eng, heads, tree, medusa::greedy_policy{}, 4);
     std::map<int, std::vector<std::int32_t>> streamed;
@@ -249,6 +250,15 @@ TEST_CASE("a batch with joins and leaves gives each request exactly its tokens a
     for (const auto& [id, res] : out) CHECK(res.stats.mean_accepted() > 1.8);
   }
   SUBCASE("random heads") { check(rnd, medusa::tree::preset("vicuna_7b_stage2")); }
+  SUBCASE("per-step drafts: dynamic trees and lookup branches, each request its own tree") {
+    const medusa::step_drafter dynamic({.dynamic_nodes = 8, .lookup = medusa::ngram_lookup{.min_ngram = 1, .max_tokens = 6}}, 5);
+    const auto out = check(oracle, dynamic);
+    for (const auto& [id, res] : out) CHECK(res.stats.mean_accepted() > 1.5);
+    const medusa::step_drafter hybrid({.paths = medusa::tree::preset("mc_sim_7b_63").sorted_paths(),
+                                       .lookup = medusa::ngram_lookup{.min_ngram = 1, .max_tokens = 6}},
+                                      5);
+    check(rnd, hybrid);
+  }
 }
 
 TEST_CASE("pages are mapped on demand and released after each commit") {

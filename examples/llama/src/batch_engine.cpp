@@ -125,7 +125,10 @@ struct batch_engine::impl {
       if (seen[sz(r)] != 0) fail(engine_errc::bad_request, request_name(r) + " appears twice in the batch", r);
       seen[sz(r)] = 1;
     }
-    const bool tree = !b.tree_mask.empty();
+    const bool tree = !b.tree_mask.empty() || !b.request_masks.empty();
+    if (!b.request_masks.empty() && b.request_masks.size() != B)
+      fail(engine_errc::bad_batch, "request_masks has " + std::to_string(b.request_masks.size()) + " masks for " +
+                                       std::to_string(B) + " requests");
     int widest = 0;
     for (std::size_t i = 0; i < B; ++i) {
       const int r = b.requests[i], q0 = b.qo_indptr[i], n = b.qo_indptr[i + 1] - q0, L = b.cache_lengths[i];
@@ -142,9 +145,10 @@ struct batch_engine::impl {
       if (tree && n > opt.max_tokens)
         fail(engine_errc::bad_batch, who + "tree of " + std::to_string(n) + " tokens exceeds max_tokens " + std::to_string(opt.max_tokens), r);
       widest = std::max(widest, n);
+      if (!b.request_masks.empty()) detail::check_tree_mask(b.request_masks[i], n);
     }
     // One check for all: the first n_b rows of a mask valid for the widest request are valid too.
-    if (tree) detail::check_tree_mask(b.tree_mask, widest);
+    if (tree && b.request_masks.empty()) detail::check_tree_mask(b.tree_mask, widest);
     detail::check_outputs(c, b.last_row_only ? B : sz(T), b.logits, b.hidden);
   }
 
@@ -155,7 +159,7 @@ struct batch_engine::impl {
   void forward(const medusa::ragged_batch& b) {
     validate(b);
     const int B = b.size();
-    const bool tree = !b.tree_mask.empty();
+    const bool tree = !b.tree_mask.empty() || !b.request_masks.empty();
     const bool wanted = !b.logits.empty() || !b.hidden.empty();
     const std::size_t V = sz(config().vocab_size), d = sz(config().dim);
     int pass0 = 0, rows = 0, out0 = -1;  // first batch row of the pass, its rows, its first output row
@@ -177,7 +181,7 @@ struct batch_engine::impl {
       for (int done = 0; done < n;) {
         if (rows == opt.max_tokens) flush();
         const int piece = tree ? n : std::min(n - done, opt.max_tokens - rows);
-        segments.push_back({rows, piece, L + done, view(r), b.tree_mask});
+        segments.push_back({rows, piece, L + done, view(r), b.mask_of(i)});
         if (wanted && b.last_row_only && done + piece == n) {
           out_rows.push_back(rows + piece - 1);
           if (out0 < 0) out0 = i;

@@ -30,6 +30,7 @@
 #include <medusa/config.hpp>
 #include <medusa/acceptance.hpp>
 #include <medusa/candidates.hpp>
+#include <medusa/drafts.hpp>
 #include <medusa/decoder/model.hpp>
 #include <medusa/decoder/options.hpp>
 #include <medusa/kv_cache.hpp>
@@ -41,6 +42,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -155,9 +157,12 @@ struct request_update {
 //! @tparam Model  satisfies `batch_decoder_model` (optionally the paging hooks of decoder/model.hpp)
 //! @tparam Heads  satisfies `draft_heads` (at least `tree.depth()` heads); `batched_draft_heads` is
 //!                used when available
-//! @tparam Tree   satisfies `tree_like`
+//! @tparam Tree   satisfies `tree_like` (one tree for every step), or `step_drafts` (each tree
+//!                step builds its own tree: `step_drafter`, drafts.hpp; the model must then take
+//!                `ragged_batch::request_masks`, `request_mask_model`)
 //! @tparam Policy satisfies `acceptance_policy`
-template <batch_decoder_model Model, draft_heads Heads, tree_like Tree, acceptance_policy Policy>
+template <batch_decoder_model Model, draft_heads Heads, class Tree, acceptance_policy Policy>
+  requires tree_like<Tree> || step_drafts<Tree>
 class batch_decoder {
  public:
   //! Per-request token callback: return false to stop the request (`stop_reason::callback`).
@@ -167,12 +172,12 @@ class batch_decoder {
   //!         model reports a non-positive vocabulary or hidden size.
   batch_decoder(Model& model, Heads& heads, const Tree& tree, Policy policy = {}, int max_batch = 8)
       : model_(model), heads_(heads), tree_(tree), policy_(std::move(policy)), max_batch_(max_batch) {
-    const int n = tree_.num_nodes();
+    const int n = max_nodes();
     num_heads_ = static_cast<int>(heads_.num_heads());
     vocab_ = static_cast<int>(model_.vocab_size());
     hidden_ = static_cast<int>(model_.hidden_size());
-    if (num_heads_ < tree_.depth())
-      throw decode_error("the tree is " + std::to_string(tree_.depth()) + " deep but only " +
+    if (num_heads_ < heads_depth())
+      throw decode_error("the tree is " + std::to_string(heads_depth()) + " deep but only " +
                          std::to_string(num_heads_) + " draft heads are loaded");
     if (vocab_ <= 0 || hidden_ <= 0)
       throw decode_error("model reports vocab " + std::to_string(vocab_) + " and hidden size " +
@@ -184,7 +189,8 @@ class batch_decoder {
     for (slot& s : slots_) s.h.resize(d);
     head_in_.resize(B * d);
     head_logits_.resize(B * to_size(num_heads_) * V);
-    flat_.resize(flat_candidates_size(tree_, num_heads_));
+    if constexpr (!per_step) flat_.resize(flat_candidates_size(tree_, num_heads_));
+    if constexpr (per_step) masks_.resize(B);
     tokens_.resize(B * N);
     positions_.resize(B * N);
     ids_.resize(B);
@@ -197,9 +203,9 @@ class batch_decoder {
     requests_.resize(B);
     results_.resize(B);
     if constexpr (samples_drafts) draft_rows_.resize(B * to_size(tree_.depth()) * V);
-    step_tokens_.reserve(B * (to_size(tree_.depth()) + 1));
+    step_tokens_.reserve(B * (to_size(max_depth()) + 1));
     updates_.reserve(B);
-    if constexpr (!has_mask_view) {
+    if constexpr (!per_step && !has_mask_view) {
       mask_.resize(N * to_size(tree_.words_per_row()));
       copy_packed_mask(tree_, std::span<std::uint32_t>(mask_));
     }
@@ -250,8 +256,9 @@ class batch_decoder {
     s.done = false;
     s.error = nullptr;
     s.result = decode_result{};
-    s.result.stats.accepted_histogram.assign(detail::to_size(tree_.depth() + 1), 0);
-    s.result.stats.accepted_at_depth.assign(detail::to_size(tree_.depth()), 0);
+    s.result.stats.accepted_histogram.assign(detail::to_size(max_depth() + 1), 0);
+    s.result.stats.accepted_at_depth.assign(detail::to_size(max_depth()), 0);
+    if constexpr (per_step) s.history.assign(prompt.begin(), prompt.end());
     s.joined = detail::decode_clock::now();
     s.active = true;
     ++size_;
@@ -342,6 +349,8 @@ class batch_decoder {
     std::int32_t pending = -1;
     std::uint64_t step = 0;  // Philox counter: 0 for the prefill root, then one per step
     std::vector<float> h;    // the hidden state the heads read next
+    std::optional<::medusa::tree> step_tree;  // per-step drafts: this step's tree
+    std::vector<std::int32_t> history;  // per-step drafts: prompt and generated tokens (for lookups)
     decode_result result;
     std::exception_ptr error;
     detail::decode_clock::time_point joined;
@@ -352,6 +361,23 @@ class batch_decoder {
 
   // Sampled drafts: candidates come from `sample_candidates`, one draft row per depth per member.
   static constexpr bool samples_drafts = depth_draft_policy<Policy>;
+  // Per-step drafts: each tree step of each request builds its own tree (`step_drafts`).
+  static constexpr bool per_step = !tree_like<Tree>;
+  static_assert(!per_step || !samples_drafts, "per-step drafts take top-K candidates: use another policy");
+  static_assert(!per_step || request_mask_model<Model>,
+                "per-step drafts need a model that takes ragged_batch::request_masks (request_mask_model)");
+  [[nodiscard]] int max_nodes() const {
+    if constexpr (per_step) return tree_.max_nodes();
+    else return tree_.num_nodes();
+  }
+  [[nodiscard]] int max_depth() const {
+    if constexpr (per_step) return tree_.max_depth();
+    else return tree_.depth();
+  }
+  [[nodiscard]] int heads_depth() const {
+    if constexpr (per_step) return tree_.heads_depth();
+    else return tree_.depth();
+  }
   [[nodiscard]] std::span<float> member_draft_rows(int member) noexcept {
     const std::size_t size = detail::to_size(tree_.depth()) * detail::to_size(vocab_);
     return std::span<float>(draft_rows_.data() + detail::to_size(member) * size, size);
@@ -361,7 +387,8 @@ class batch_decoder {
     { t.mask_view() } -> std::convertible_to<tree_mask_view>;
   };
   [[nodiscard]] tree_mask_view mask_view() const noexcept {
-    if constexpr (has_mask_view) return tree_.mask_view();
+    if constexpr (per_step) return {};
+    else if constexpr (has_mask_view) return tree_.mask_view();
     else return {mask_, tree_.words_per_row()};
   }
 
@@ -442,6 +469,7 @@ class batch_decoder {
     }
     if (s.out_count == 0) s.out_begin = step_tokens_.size();
     step_tokens_.push_back(token);
+    if constexpr (per_step) s.history.push_back(token);
     ++s.out_count;
     s.result.tokens.push_back(token);
     ++s.result.stats.new_tokens;
@@ -510,7 +538,7 @@ class batch_decoder {
     using detail::decode_clock;
     using detail::seconds_since;
     using detail::to_size;
-    const int n = tree_.num_nodes();
+    const int n = max_nodes();
     const std::size_t V = to_size(vocab_), d = to_size(hidden_), HV = to_size(num_heads_) * V;
 
     // Which requests take a tree step, which a plain one; plain ones emit their pending token now.
@@ -552,11 +580,33 @@ class batch_decoder {
     for (slot& s : slots_) {
       if (s.rows == 0) continue;
       const int L = s.length;
-      const int count = s.rows;
       std::int32_t* toks = tokens_.data() + T;
       std::int32_t* pos = positions_.data() + T;
       bool ok = true;
-      if (count > 1) {  // a tree step (a plain step is one row)
+      if constexpr (per_step) {
+        if (s.rows > 1) {  // this step's own tree; nothing to draft = a plain step
+          const auto hl = std::span<const float>(head_logits_.data() + to_size(r) * HV, HV);
+          ++r;
+          s.history.push_back(s.pending);
+          ok = guarded(s, [&] { s.step_tree = tree_.draft(s.history, hl, vocab_, std::span<std::int32_t>(toks, to_size(n))); });
+          s.history.pop_back();
+          if (ok && s.step_tree) {
+            s.rows = s.step_tree->num_nodes();
+            write_node_positions(*s.step_tree, L, pos);
+          } else if (ok) {
+            s.rows = 0;
+            if (!emit(s, s.pending)) continue;
+            if (s.length >= s.context) {
+              finish(s, stop_reason::context_full);
+              continue;
+            }
+            s.rows = 1;
+          }
+        }
+        masks_[to_size(B)] = s.rows > 1 ? s.step_tree->mask_view() : plain_tree{}.mask_view();
+      }
+      const int count = s.rows;
+      if (!per_step && count > 1) {  // a tree step (a plain step is one row)
         const auto hl = std::span<const float>(head_logits_.data() + to_size(r) * HV, HV);
         ++r;
         ok = guarded(s, [&] {
@@ -566,11 +616,12 @@ class batch_decoder {
                                      static_cast<float>(policy_.top_p)};
             sample_candidates(tree_, s.pending, hl, vocab_, warp, s.opt.seed, s.step + 1, node_tokens,
                               member_draft_rows(B), ws_);
-          } else
+          } else if constexpr (!per_step) {
             generate_candidates(tree_, s.pending, hl, vocab_, flat_, node_tokens);
-          write_node_positions(tree_, L, pos);
+          }
+          if constexpr (!per_step) write_node_positions(tree_, L, pos);
         });
-      } else {
+      } else if (count == 1) {
         toks[0] = s.pending;
         pos[0] = L;
       }
@@ -587,6 +638,7 @@ class batch_decoder {
     t0 = decode_clock::now();
     ragged_batch b = gathered_batch(B, T);
     b.tree_mask = mask_view();
+    if constexpr (per_step) b.request_masks = std::span<const tree_mask_view>(masks_.data(), to_size(B));
     b.logits = std::span<float>(logits_.data(), to_size(T) * V);
     b.hidden = std::span<float>(hidden_out_.data(), to_size(T) * d);
     model_.forward(b);
@@ -600,8 +652,8 @@ class batch_decoder {
       slot& s = *members_[to_size(i)];
       if (s.rows == 1) continue;  // plain steps need no verification
       verify_request q;
-      q.node_tokens = std::span<const std::int32_t>(tokens_.data() + qo_indptr_[to_size(i)], to_size(n));
-      q.logits = std::span<const float>(logits_.data() + to_size(qo_indptr_[to_size(i)]) * V, to_size(n) * V);
+      q.node_tokens = std::span<const std::int32_t>(tokens_.data() + qo_indptr_[to_size(i)], to_size(s.rows));
+      q.logits = std::span<const float>(logits_.data() + to_size(qo_indptr_[to_size(i)]) * V, to_size(s.rows) * V);
       q.vocab = vocab_;
       q.seed = s.opt.seed;
       q.step = s.step + 1;
@@ -611,13 +663,15 @@ class batch_decoder {
       verify_rows_[to_size(verify_count)] = i;
       ++verify_count;
     }
-    bool verified_all = true;
-    if (verify_count > 0) {
-      try {
-        verify_batch(tree_, std::span<const verify_request>(requests_.data(), to_size(verify_count)), policy_, ws_,
-                     std::span<verify_result>(results_.data(), to_size(verify_count)));
-      } catch (...) {
-        verified_all = false;
+    bool verified_all = !per_step;  // per-step trees differ: each request is verified alone
+    if constexpr (!per_step) {
+      if (verify_count > 0) {
+        try {
+          verify_batch(tree_, std::span<const verify_request>(requests_.data(), to_size(verify_count)), policy_, ws_,
+                       std::span<verify_result>(results_.data(), to_size(verify_count)));
+        } catch (...) {
+          verified_all = false;
+        }
       }
     }
     std::vector<bool>& ok = verified_ok_;
@@ -625,7 +679,10 @@ class batch_decoder {
     if (!verified_all)
       for (int j = 0; j < verify_count; ++j) {
         slot& s = *members_[to_size(verify_rows_[to_size(j)])];
-        ok[to_size(j)] = guarded(s, [&] { results_[to_size(j)] = verify(tree_, requests_[to_size(j)], policy_, ws_); });
+        ok[to_size(j)] = guarded(s, [&] {
+          if constexpr (per_step) results_[to_size(j)] = verify(*s.step_tree, requests_[to_size(j)], policy_, ws_);
+          else results_[to_size(j)] = verify(tree_, requests_[to_size(j)], policy_, ws_);
+        });
       }
     const double accept_time = seconds_since(t0);
 
@@ -657,7 +714,8 @@ class batch_decoder {
       const verify_result& res = results_[to_size(jj)];
       const auto tc = decode_clock::now();
       const bool committed = guarded(s, [&] {
-        s.length = kv_commit(model_.kv_cache(s.id), s.length, tree_, res.nodes());
+        if constexpr (per_step) s.length = kv_commit(model_.kv_cache(s.id), s.length, *s.step_tree, res.nodes());
+        else s.length = kv_commit(model_.kv_cache(s.id), s.length, tree_, res.nodes());
         if constexpr (kv_releasing_model<Model>) model_.release(s.id, s.length);
       });
       st.seconds.commit += seconds_since(tc);
@@ -693,6 +751,7 @@ class batch_decoder {
   std::vector<std::int32_t> step_tokens_;
   std::vector<request_update> updates_;
   std::vector<std::uint32_t> mask_;  // the packed mask of a tree without mask_view()
+  std::vector<tree_mask_view> masks_;  // per-step drafts: each member's mask in the pass
   acceptance_workspace ws_;
 };
 

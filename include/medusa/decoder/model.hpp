@@ -92,12 +92,19 @@ struct ragged_batch {
   std::span<const std::int32_t> positions;  //!< `[T]` absolute positions (RoPE)
   std::span<const int> cache_lengths;       //!< `[B]` committed slots of each request
   tree_mask_view tree_mask = {};            //!< empty = causal within each request; else the shared tree
+  //! `[B]` or empty: when given, request b's tokens are the first `n_b` nodes of its own tree,
+  //! `request_masks[b]` (per-step drafts; only `request_mask_model`s receive it)
+  std::span<const tree_mask_view> request_masks = {};
   bool last_row_only = false;               //!< outputs for each request's last row only (`[B]` rows)
   std::span<float> logits;                  //!< `[T or B][vocab]`
   std::span<float> hidden;                  //!< `[T or B][hidden]`
 
   //! Number of requests.
   [[nodiscard]] int size() const noexcept { return static_cast<int>(requests.size()); }
+  //! The mask of request `b`'s tokens: its own (`request_masks`) or the shared one.
+  [[nodiscard]] tree_mask_view mask_of(int b) const noexcept {
+    return request_masks.empty() ? tree_mask : request_masks[static_cast<std::size_t>(b)];
+  }
   //! Tokens of request `b`.
   [[nodiscard]] int count(int b) const noexcept {
     return qo_indptr[static_cast<std::size_t>(b) + 1] - qo_indptr[static_cast<std::size_t>(b)];
@@ -114,6 +121,11 @@ concept batch_decoder_model = requires(M& m, const ragged_batch& batch, int requ
   m.forward(batch);
   { m.kv_cache(request) } -> writable_kv_cache;
 };
+
+//! A batch model that honours `ragged_batch::request_masks` (one tree per request in a pass, as
+//! per-step drafts need): it declares `static constexpr bool accepts_request_masks = true`.
+template <class M>
+concept request_mask_model = batch_decoder_model<M> && requires { requires static_cast<bool>(M::accepts_request_masks); };
 
 //! A model that maps cache pages on demand: `reserve(request, slots)`.
 template <class M>
