@@ -2,6 +2,7 @@
 // Tree compiler cost: building every buffer of a run-time tree (64, 256, 1024 nodes) from paths,
 // parsing + building a preset from its text, and the FlashInfer full-row stream.
 // Axis: nodes (tree size, root included).
+#include <medusa/drafts.hpp>
 #include <medusa/tree.hpp>
 
 #include <benchmark/benchmark.h>
@@ -78,3 +79,29 @@ void BM_full_row_stream(benchmark::State& state) {
 BENCHMARK(BM_full_row_stream)->ArgName("prefix")->Arg(0)->Arg(1024);
 
 }  // namespace
+
+// Per-step drafts (drafts.hpp): the work a step_drafter adds to every tree step: the heads' top-k
+// (and, for dynamic trees, their softmax), the lookup, and compiling the step's tree. Compare with
+// a tree step of the engine (docs/performance.md: ~1.3 ms for pycode-15m on 2 threads).
+// Arguments: vocabulary, 0 = fixed tree + lookup / 1 = dynamic tree + lookup.
+static void BM_step_drafter(benchmark::State& state) {
+  const int vocab = static_cast<int>(state.range(0)), heads = 4;
+  const bool dynamic = state.range(1) != 0;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> n(0.0f, 3.0f);
+  std::vector<float> logits(static_cast<std::size_t>(heads) * static_cast<std::size_t>(vocab));
+  for (float& x : logits) x = n(rng);
+  std::vector<std::int32_t> history;  // 400 tokens of code-like text that repeats itself
+  for (int i = 0; i < 400; ++i) history.push_back(static_cast<std::int32_t>((i % 37) * 13 % vocab));
+  medusa::step_drafter_options o;
+  if (dynamic) o.dynamic_nodes = 6;
+  else o.paths = {{0}, {1}, {0, 0}, {0, 0, 0}, {0, 0, 0, 0}};
+  o.lookup = medusa::ngram_lookup{.min_ngram = 2, .max_ngram = 4, .max_tokens = 8};
+  medusa::step_drafter d(o, heads);
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(d.max_nodes()));
+  for (auto _ : state) {
+    auto t = d.draft(history, logits, vocab, tokens);
+    benchmark::DoNotOptimize(t);
+  }
+}
+BENCHMARK(BM_step_drafter)->ArgNames({"vocab", "dynamic"})->Args({2048, 0})->Args({2048, 1})->Args({32000, 0})->Args({32000, 1})->Unit(benchmark::kMicrosecond);

@@ -4,7 +4,8 @@
 //
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
-//              [--cost-cache DIR|none] [--policy greedy|typical|rejection|sampled] [--temperature T]
+//              [--cost-cache DIR|none] [--lookup N] [--lookup-ngram MIN:MAX] [--dynamic]
+//              [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights int8|bf16|f32]
 //              [--threads N] [--json]
@@ -49,6 +50,9 @@ struct run_args {
   int max_nodes = 64;                                    // --tree auto: largest tree considered
   std::string step_cost_file, step_cost_out, cost_cache;  // --tree auto: the step-cost curve
   std::string calibration;                               // --tree auto: default calibration.json beside the heads
+  int lookup = 0;                                        // lookup branch of up to N tokens (0 = off)
+  int lookup_min = 2, lookup_max = 4;                    // n-gram sizes matched
+  bool dynamic = false;                                  // per-step dynamic trees of the chosen size
   std::optional<int> batch;  // requests at once with --prompts-file (default 1)
   run_mode mode = run_mode::medusa;
   std::optional<float> temperature;  // unset: the policy's default
@@ -289,6 +293,31 @@ tree_choice choose_auto_tree(const run_args& a, const auto_inputs& in, Engine& e
   return c;
 }
 
+// Per-step drafts (--lookup, --dynamic): a step_drafter over the chosen tree, or nothing.
+std::optional<medusa::step_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads) {
+  if (a.lookup == 0 && !a.dynamic) return std::nullopt;
+  medusa::step_drafter_options o;
+  if (a.dynamic) o.dynamic_nodes = t.num_nodes();
+  else o.paths = t.sorted_paths();
+  o.topk = t.topk();
+  if (a.lookup > 0) o.lookup = medusa::ngram_lookup{.min_ngram = a.lookup_min, .max_ngram = a.lookup_max, .max_tokens = a.lookup};
+  return medusa::step_drafter(std::move(o), heads);
+}
+
+// Runs `body(tree_source)` with the per-step drafter when there is one, else with the tree (a
+// preset on its compile-time instantiation). `draft_sampling_policy` draws its own drafts and
+// takes no per-step drafter (checked before the model loads).
+template <class Policy, class F>
+decltype(auto) with_tree_source(const std::optional<medusa::step_drafter>& drafter, const medusa::tree& t, F&& body) {
+  if constexpr (!medusa::depth_draft_policy<Policy>)
+    if (drafter) return body(*drafter);
+  return medusa::dispatch_tree(t, body);
+}
+
+nlohmann::json describe_drafts(const run_args& a) {
+  return {{"dynamic", a.dynamic}, {"lookup_tokens", a.lookup}, {"lookup_ngram", {a.lookup_min, a.lookup_max}}};
+}
+
 // Tokenized prompt (BOS first) that leaves room for at least one new token.
 std::vector<std::int32_t> encode_prompt(const medusa_llama::tokenizer& tok, const std::string& text, int seq_len,
                                         const std::string& what) {
@@ -379,7 +408,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   medusa_llama::batch_engine_options eo;
   eo.threads = a.threads;
   eo.max_requests = *a.batch;
-  eo.max_tokens = std::max(256, *a.batch * (auto_tree ? a.max_nodes : given_tree ? given_tree->num_nodes() : 1));
+  eo.max_tokens = std::max(256, *a.batch * ((auto_tree ? a.max_nodes : given_tree ? given_tree->num_nodes() : 1) + a.lookup));
   eo.weights = a.weights;
   medusa_llama::batch_engine eng(std::move(lm.weights), eo);
   tree_choice choice;
@@ -400,8 +429,8 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   }
   if (a.mode != run_mode::vanilla) {
     auto heads = pack_heads(eng, head_w, a, tree->depth());
-    // A preset runs on its compile-time tree, any other tree on the run-time one.
-    reports.push_back(medusa::dispatch_tree(*tree, [&](const auto& t) {
+    const auto drafter = make_drafter(a, *tree, tree->depth());
+    reports.push_back(with_tree_source<Policy>(drafter, *tree, [&](const auto& t) {
       medusa::batch_decoder dec(eng, heads, t, policy, *a.batch);
       return serve_all(dec, eng, prompts, dopt, bos, "medusa");
     }));
@@ -432,7 +461,10 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
     nlohmann::json summary = {{"batch", *a.batch}, {"requests", prompts.size()}, {"threads", eng.threads()},
                               {"max_new_tokens", a.max_new_tokens}};
     for (const auto& r : reports) summary[r.mode] = to_json(r);
-    if (tree) summary["tree"] = choice.info;
+    if (tree) {
+      summary["tree"] = choice.info;
+      summary["tree"]["drafts"] = describe_drafts(a);
+    }
     if (reports.size() == 2) {
       summary["identical"] = differ.empty();
       summary["differing_requests"] = differ;
@@ -470,6 +502,11 @@ int run(run_args a) {
   if (!a.batch) a.batch = 1;
   if (*a.batch < 1 || *a.batch > 256) throw usage_error("--batch must be in [1, 256], got " + std::to_string(*a.batch));
   const bool want_medusa = a.mode != run_mode::vanilla;
+  if (a.lookup < 0 || a.lookup > 64) throw usage_error("--lookup must be in [0, 64], got " + std::to_string(a.lookup));
+  if (a.lookup_min < 1 || a.lookup_max < a.lookup_min)
+    throw usage_error("--lookup-ngram: need 1 <= MIN <= MAX, got " + std::to_string(a.lookup_min) + ":" + std::to_string(a.lookup_max));
+  if ((a.lookup > 0 || a.dynamic) && a.policy == medusa::draft_sampling_policy::name)
+    throw usage_error("--policy sampled draws its own drafts: it takes no --lookup or --dynamic");
   medusa::policy_options popt;
   popt.temperature = a.temperature;
   popt.top_p = a.top_p;
@@ -510,7 +547,7 @@ int run(run_args a) {
 
   medusa_llama::engine_options eo;
   eo.threads = a.threads;
-  eo.max_batch = std::max(64, auto_tree ? a.max_nodes : want_medusa ? tree->num_nodes() : 1);
+  eo.max_batch = std::max(64, (auto_tree ? a.max_nodes : want_medusa ? tree->num_nodes() : 1) + a.lookup);
   eo.backend = medusa_llama::gemm_backend::builtin;
   eo.weights = a.weights;
   medusa_llama::engine model(std::move(lm.weights), eo);
@@ -522,7 +559,12 @@ int run(run_args a) {
     choice = {tree, describe(*tree, a.tree)};
   }
   std::optional<medusa_llama::packed_heads> heads;
-  if (want_medusa) heads.emplace(pack_heads(model, head_w, a, tree->depth()));
+  std::optional<medusa::step_drafter> drafter;
+  if (want_medusa) {
+    heads.emplace(pack_heads(model, head_w, a, tree->depth()));
+    drafter = make_drafter(a, *tree, tree->depth());
+    choice.info["drafts"] = describe_drafts(a);
+  }
 
   medusa::decode_options dopt;
   dopt.max_new_tokens = a.max_new_tokens;
@@ -547,7 +589,7 @@ int run(run_args a) {
         r.result = medusa::generate_vanilla(model, prompt, policy, dopt, on_token);
       } else {
         // A preset runs on its compile-time tree, any other tree on the run-time one.
-        r.result = medusa::dispatch_tree(*tree, [&](const auto& t) {
+        r.result = with_tree_source<decltype(policy)>(drafter, *tree, [&](const auto& t) {
           medusa::decoder dec(model, *heads, t, policy);
           return dec.generate(prompt, dopt, on_token);
         });
@@ -601,6 +643,19 @@ int main(int argc, char** argv) {
                  "([[0],[0,0],...]) or a file")
       ->capture_default_str();
   app.add_option("--max-nodes", a.max_nodes, "--tree auto: the largest tree considered (root included)")->capture_default_str();
+  app.add_option("--lookup", a.lookup,
+                 "hybrid drafts: a lookup branch of up to N tokens copied from where the request's last n-gram "
+                 "occurred before (0 = off)")
+      ->capture_default_str();
+  app.add_option_function<std::string>(
+         "--lookup-ngram",
+         [&a](const std::string& v) {
+           char extra = 0;
+           if (std::sscanf(v.c_str(), "%d:%d%c", &a.lookup_min, &a.lookup_max, &extra) != 2)
+             throw usage_error("--lookup-ngram " + v + ": expected MIN:MAX");
+         },
+         "n-gram sizes the lookup matches, longest first (default 2:4)");
+  app.add_flag("--dynamic", a.dynamic, "per-step dynamic trees: each step's most probable paths under the heads, as many nodes as the tree");
   app.add_option("--calibration", a.calibration, "--tree auto: the heads' calibration (default: calibration.json beside them)");
   app.add_option("--step-cost", a.step_cost_file, "--tree auto: use this step-cost curve instead of measuring one");
   app.add_option("--step-cost-out", a.step_cost_out, "--tree auto: also write the step-cost curve used to this file");
