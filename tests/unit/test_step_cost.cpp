@@ -3,7 +3,9 @@
 // the step size, the budget honoured, bad options refused, and decoding unchanged afterwards.
 #include "tiny_transformer.hpp"
 
+#include <medusa/decoder/calibrate.hpp>
 #include <medusa/decoder/step_cost.hpp>
+#include <medusa/io/tree_search_files.hpp>
 
 #include <doctest/doctest.h>
 
@@ -52,4 +54,40 @@ TEST_CASE("decoding after a measurement is unchanged") {
   (void)medusa::measure_step_cost(model, heads, {.rows = {1, 4, 16}, .context = 32});
   const auto after = medusa::generate_vanilla(model, prompt, medusa::greedy_policy{}, opt);
   CHECK(before.tokens == after.tokens);
+}
+
+TEST_CASE("count_paths: every position's head ranks, as the heads gave them") {
+  tiny::tiny_model model(256);
+  const std::vector<std::int32_t> prompt{1, 5, 9, 3};
+  medusa::decode_options opt;
+  opt.max_new_tokens = 60;
+  const auto plain = medusa::generate_vanilla(model, prompt, medusa::greedy_policy{}, opt);
+  tiny::oracle_heads heads{3, prompt, {}};
+  heads.sequence.insert(heads.sequence.end(), plain.tokens.begin(), plain.tokens.end());
+  heads.states = tiny::states_of(model, heads.sequence);
+  medusa::path_counter counts(3, 10);
+  medusa::count_paths(model, heads, heads.sequence, counts);
+  const int T = static_cast<int>(heads.sequence.size());
+  CHECK(counts.positions() == static_cast<std::uint64_t>(T - 2));
+  // The oracle puts the truth of head k at position t at rank ((t·2654435761 + k·40503) >> 16) % 4,
+  // or (3) leaves it at its rank in the base row, (7·truth + 3k + t) mod 40; recount [0] and [0,0].
+  const auto& seq = heads.sequence;
+  auto rank_of = [&](int t, int k) {
+    const int planted = static_cast<int>((static_cast<unsigned>(t) * 2654435761u + static_cast<unsigned>(k) * 40503u) >> 16) % 4;
+    return planted < 3 ? planted : (7 * seq[static_cast<std::size_t>(t + 2 + k)] + 3 * k + t) % tiny::tiny_model::vocab;
+  };
+  std::uint64_t zero = 0, zero_zero = 0;
+  for (int t = 0; t + 2 < T; ++t) {
+    if (rank_of(t, 0) != 0) continue;
+    ++zero;
+    zero_zero += t + 3 < T && rank_of(t, 1) == 0;
+  }
+  CHECK(counts.counts().at({0}) == zero);
+  CHECK(counts.counts().at({0, 0}) == zero_zero);
+  const auto cal = medusa::parse_calibration(medusa::calibration_json(counts));
+  CHECK(cal.conditional());
+  CHECK(cal.probability(std::vector<int>{0, 0}) == doctest::Approx(static_cast<double>(zero_zero) / static_cast<double>(T - 2)));
+  CHECK_THROWS_AS(medusa::count_paths(model, heads, std::vector<std::int32_t>{1}, counts), medusa::invalid_input);
+  medusa::path_counter too_many(4, 10);
+  CHECK_THROWS_AS(medusa::count_paths(model, heads, heads.sequence, too_many), medusa::invalid_input);
 }

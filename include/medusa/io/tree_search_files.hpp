@@ -158,6 +158,37 @@ inline void check_format(const json_value& doc, std::string_view format, std::st
   }
 }
 
+//! Counted calibration as `calibration.json` version 2 text (`parse_calibration` reads it back);
+//! `accuracy[k][r]` is each head's own per-rank accuracy.
+[[nodiscard]] inline std::string calibration_json(const path_counter& c) {
+  std::vector<std::vector<double>> acc(static_cast<std::size_t>(c.heads()), std::vector<double>(static_cast<std::size_t>(c.topk())));
+  for (int k = 0; k < c.heads(); ++k)
+    for (int r = 0; r < c.topk(); ++r) acc[static_cast<std::size_t>(k)][static_cast<std::size_t>(r)] = c.accuracy(k, r);
+  std::string j = "{\"format\": \"medusa-calibration\", \"version\": 2, \"num_heads\": " + std::to_string(c.heads()) +
+                  ", \"topk\": " + std::to_string(c.topk()) + ", \"source\": \"decoding\", \"accuracy\": [";
+  for (std::size_t k = 0; k < acc.size(); ++k) {
+    j += k ? ", [" : "[";
+    for (std::size_t r = 0; r < acc[k].size(); ++r) {
+      char b[32];
+      std::snprintf(b, sizeof b, "%s%.6f", r ? ", " : "", acc[k][r]);
+      j += b;
+    }
+    j += "]";
+  }
+  j += "],\n \"path_positions\": " + std::to_string(c.positions()) + ", \"path_counts\": [";
+  bool first = true;
+  for (const auto& [path, count] : c.counts()) {
+    j += first ? "\n  [" : ",\n  [";
+    first = false;
+    j += detail::path_text(path);
+    j += ", ";
+    j += std::to_string(count);
+    j += ']';
+  }
+  j += "]}\n";
+  return j;
+}
+
 //! A step-cost curve as JSON text that `parse_step_cost` reads back; `key` (may be empty) names
 //! what it was measured on.
 [[nodiscard]] inline std::string step_cost_json(const step_cost_curve& c, std::string_view key = {}) {

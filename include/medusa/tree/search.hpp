@@ -163,6 +163,62 @@ class path_calibration {
   std::vector<std::vector<double>> acc_;
 };
 
+//! Counts path-conditional calibration from real decoding: for each position, the ranks of the
+//! true tokens t+2, t+3, ... in heads 0, 1, ... (`add`); every prefix of the path they spell, up to
+//! the first rank outside the top-k, is counted once.
+class path_counter {
+ public:
+  //! Throws `invalid_input` unless heads ≥ 1 and topk ≥ 1.
+  path_counter(int heads, int topk) : heads_(heads), topk_(topk) {
+    if (heads < 1 || topk < 1)
+      throw invalid_input("path counter: heads and topk must be >= 1, got " + std::to_string(heads) + " and " +
+                          std::to_string(topk));
+    head_positions_.assign(static_cast<std::size_t>(heads), 0);
+    hits_.assign(static_cast<std::size_t>(heads), std::vector<std::uint64_t>(static_cast<std::size_t>(topk), 0));
+  }
+  //! One position: `ranks[k]` = rank of the true token in head k (< 0: no target). Positions
+  //! without a head-0 target are not counted.
+  void add(std::span<const int> ranks) {
+    for (std::size_t k = 0; k < ranks.size() && k < static_cast<std::size_t>(heads_); ++k) {
+      if (ranks[k] < 0) continue;
+      ++head_positions_[k];
+      if (ranks[k] < topk_) ++hits_[k][static_cast<std::size_t>(ranks[k])];
+    }
+    if (ranks.empty() || ranks[0] < 0) return;
+    ++positions_;
+    std::vector<int> path;
+    for (std::size_t k = 0; k < ranks.size() && k < static_cast<std::size_t>(heads_); ++k) {
+      if (ranks[k] < 0 || ranks[k] >= topk_) break;
+      path.push_back(ranks[k]);
+      ++counts_[path];
+    }
+  }
+  //! Positions counted.
+  [[nodiscard]] std::uint64_t positions() const noexcept { return positions_; }
+  //! The counts, in path order.
+  [[nodiscard]] const std::map<std::vector<int>, std::uint64_t>& counts() const noexcept { return counts_; }
+  //! The calibration (`path_calibration::from_counts`); throws `invalid_input` if nothing was counted.
+  [[nodiscard]] path_calibration calibration() const {
+    return path_calibration::from_counts(heads_, topk_, positions_, {counts_.begin(), counts_.end()});
+  }
+  //! How often head k's rank-r token was right, over its positions (each head on its own).
+  [[nodiscard]] double accuracy(int k, int r) const {
+    const auto kk = static_cast<std::size_t>(k);
+    return head_positions_[kk] ? static_cast<double>(hits_[kk][static_cast<std::size_t>(r)]) / static_cast<double>(head_positions_[kk])
+                               : 0.0;
+  }
+  //! Heads and ranks counted.
+  [[nodiscard]] int heads() const noexcept { return heads_; }
+  [[nodiscard]] int topk() const noexcept { return topk_; }
+
+ private:
+  int heads_, topk_;
+  std::uint64_t positions_ = 0;
+  std::vector<std::uint64_t> head_positions_;
+  std::vector<std::vector<std::uint64_t>> hits_;
+  std::map<std::vector<int>, std::uint64_t> counts_;
+};
+
 //! What a decoding step costs on one machine, model, thread count and weight format: the forward
 //! pass of a step of `rows[i]` tokens takes `seconds[i]` (a plain step is rows = 1), and a Medusa
 //! step adds the heads (`head_seconds` per head the tree reaches) and the work around the model
