@@ -4,12 +4,13 @@
 //
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
-//              [--cost-cache DIR|none] [--lookup N] [--lookup-ngram MIN:MAX] [--dynamic]
+//              [--cost-cache DIR|none] [--calibrate-out F] [--lookup N] [--lookup-ngram MIN:MAX] [--dynamic]
 //              [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights int8|bf16|f32]
 //              [--threads N] [--json]
 //   medusa-run ... --prompts-file F [--batch N]     many prompts, N at a time (continuous batching)
+#include <medusa/decoder/calibrate.hpp>
 #include <medusa/dispatch.hpp>
 #include <medusa/io.hpp>
 #include <medusa/medusa.hpp>
@@ -53,6 +54,7 @@ struct run_args {
   int lookup = 0;                                        // lookup branch of up to N tokens (0 = off)
   int lookup_min = 2, lookup_max = 4;                    // n-gram sizes matched
   bool dynamic = false;                                  // per-step dynamic trees of the chosen size
+  std::string calibrate_out;                             // write path counts of the greedy outputs here
   std::optional<int> batch;  // requests at once with --prompts-file (default 1)
   run_mode mode = run_mode::medusa;
   std::optional<float> temperature;  // unset: the policy's default
@@ -318,6 +320,27 @@ nlohmann::json describe_drafts(const run_args& a) {
   return {{"dynamic", a.dynamic}, {"lookup_tokens", a.lookup}, {"lookup_ngram", {a.lookup_min, a.lookup_max}}};
 }
 
+// --calibrate-out: path-conditional counts of the heads over each prompt and its greedy output
+// (real decoding, docs/tree.md), written as calibration.json version 2.
+template <class Engine>
+void write_calibration(const run_args& a, Engine& eng, const medusa::head_weights& head_w,
+                       const std::vector<std::vector<std::int32_t>>& prompts, const std::vector<medusa::decode_result>& outputs) {
+  const int heads = static_cast<int>(head_w.num_heads());
+  auto all = pack_heads(eng, head_w, a, heads);
+  medusa::path_counter counts(heads, medusa::default_topk);
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    std::vector<std::int32_t> seq = prompts[i];
+    seq.insert(seq.end(), outputs[i].tokens.begin(), outputs[i].tokens.end());
+    if (seq.size() >= 3) medusa::count_paths(eng, all, seq, counts);
+  }
+  if (counts.positions() == 0) throw medusa::decode_error("--calibrate-out: no position to count (outputs too short)");
+  std::ofstream out(a.calibrate_out, std::ios::binary);
+  out << medusa::calibration_json(counts);
+  if (!out) throw medusa::io_error("--calibrate-out " + a.calibrate_out + ": cannot write");
+  std::fprintf(stderr, "calibration: %llu positions of %zu request(s) -> %s\n", static_cast<unsigned long long>(counts.positions()),
+               prompts.size(), a.calibrate_out.c_str());
+}
+
 // Tokenized prompt (BOS first) that leaves room for at least one new token.
 std::vector<std::int32_t> encode_prompt(const medusa_llama::tokenizer& tok, const std::string& text, int seq_len,
                                         const std::string& what) {
@@ -442,6 +465,8 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
       r.texts.push_back(sink.text());
     }
 
+  if (!a.calibrate_out.empty()) write_calibration(a, eng, head_w, prompts, reports[0].results);
+
   // Lossless check: with greedy acceptance every request's Medusa tokens are its plain tokens.
   std::vector<std::size_t> differ;
   if (reports.size() == 2)
@@ -505,6 +530,8 @@ int run(run_args a) {
   if (a.lookup < 0 || a.lookup > 64) throw usage_error("--lookup must be in [0, 64], got " + std::to_string(a.lookup));
   if (a.lookup_min < 1 || a.lookup_max < a.lookup_min)
     throw usage_error("--lookup-ngram: need 1 <= MIN <= MAX, got " + std::to_string(a.lookup_min) + ":" + std::to_string(a.lookup_max));
+  if (!a.calibrate_out.empty() && (a.heads.empty() || a.policy != medusa::greedy_policy::name))
+    throw usage_error("--calibrate-out needs --heads and --policy greedy (it counts the heads against greedy outputs)");
   if ((a.lookup > 0 || a.dynamic) && a.policy == medusa::draft_sampling_policy::name)
     throw usage_error("--policy sampled draws its own drafts: it takes no --lookup or --dynamic");
   medusa::policy_options popt;
@@ -535,7 +562,7 @@ int run(run_args a) {
     prompts.push_back(encode_prompt(*lm.tok, prompt_texts[i], cfg.seq_len,
                                     batched ? "prompt #" + std::to_string(i + 1) + " " : std::string("prompt ")));
   medusa::head_weights head_w;
-  if (want_medusa) head_w = load_head_weights(a, lm.weights, auto_tree ? 1 : tree->depth());
+  if (want_medusa || !a.calibrate_out.empty()) head_w = load_head_weights(a, lm.weights, auto_tree || !tree ? 1 : tree->depth());
 
   if (batched) {
     int rc = 0;
@@ -605,6 +632,8 @@ int run(run_args a) {
     };
     if (a.mode != run_mode::medusa) one("vanilla");
     if (a.mode != run_mode::vanilla) one("medusa");
+    if (!a.calibrate_out.empty())
+      write_calibration(a, model, head_w, std::vector<std::vector<std::int32_t>>{prompt}, std::vector<medusa::decode_result>{reports[0].result});
     if (stream) {
       for (const auto& r : reports) {
         const auto& s = r.result.stats;
@@ -655,6 +684,9 @@ int main(int argc, char** argv) {
              throw usage_error("--lookup-ngram " + v + ": expected MIN:MAX");
          },
          "n-gram sizes the lookup matches, longest first (default 2:4)");
+  app.add_option("--calibrate-out", a.calibrate_out,
+                 "write the heads' path-conditional calibration over the prompts and their greedy outputs to this file "
+                 "(for --calibration and medusa-tree optimize)");
   app.add_flag("--dynamic", a.dynamic, "per-step dynamic trees: each step's most probable paths under the heads, as many nodes as the tree");
   app.add_option("--calibration", a.calibration, "--tree auto: the heads' calibration (default: calibration.json beside them)");
   app.add_option("--step-cost", a.step_cost_file, "--tree auto: use this step-cost curve instead of measuring one");

@@ -58,6 +58,27 @@ t = json.loads(sys.stdin.read())["tree"]
 assert t["paths"] == [[0], [0, 0], [0, 0, 0]] and "reason" in t, t' || fail "random heads: no small chain"
 [ "$chain" -eq 0 ] || fail "random heads: unexpected stderr"
 
+# Hybrid and dynamic drafts, one request and a batch: identical to plain decoding.
+printf 'def main():\\n    x = 1\\n    x = 1\\n\nclass A:\\n    pass\\n\nimport os\\nimport os\\n\n' > "$d/prompts.txt"
+for extra in "--lookup 6" "--lookup 6 --dynamic --lookup-ngram 1:3" "--dynamic"; do
+  one=$("$run" --model "$pycode" --heads random:4 --tree '[[0],[0,0],[1]]' $extra --max-new-tokens 64 --prompt 'x = 1
+x = 1
+' --mode both --json 2>/dev/null) || fail "$extra: single run"
+  python3 -c '
+import json, sys
+v, m = [json.loads(l) for l in sys.stdin.read().splitlines()[:2]]
+assert v["tokens"] == m["tokens"], "tokens differ"
+assert m["tree"]["drafts"]["lookup_tokens"] >= 0' <<< "$one" || fail "$extra: not lossless"
+  sum=$("$run" --model "$pycode" --heads random:4 --tree '[[0],[0,0],[1]]' $extra --max-new-tokens 48 --prompts-file "$d/prompts.txt" \
+        --batch 2 --mode both --json 2>/dev/null | tail -1) || fail "$extra: batch run"
+  python3 -c 'import json, sys; s = json.loads(sys.stdin.read()); assert s["identical"], s' <<< "$sum" || fail "$extra: batch not lossless"
+  echo "drafts $extra: lossless"
+done
+# Calibration from real decoding, usable by the tree search.
+"$run" --model "$pycode" --heads random:4 --mode vanilla --prompts-file "$d/prompts.txt" --max-new-tokens 48 \
+  --calibrate-out "$d/counted.json" >/dev/null 2>&1 || fail "--calibrate-out"
+"$tree" optimize --calibration "$d/counted.json" --cost "$d/curve.json" --format json >/dev/null || fail "counted calibration unusable"
+
 expect_error() {  # status pattern command...
   local want=$1 pat=$2; shift 2
   local err; err=$("$@" 2>&1 >/dev/null); local rc=$?
@@ -75,4 +96,8 @@ expect_error 2 'max-nodes' "$run" --model "$pycode" --heads random:4 --max-nodes
 expect_error 2 'prefix \[0\] is not' "$tree" optimize --calibration "$d/bad-cal.json" --cost "$d/curve.json"
 expect_error 2 'none.json: cannot open' "$tree" optimize --calibration "$d/calibration.json" --cost "$d/none.json"
 expect_error 2 'not a tree' "$tree" --preset mc_sim_7b_63 optimize --calibration "$d/calibration.json" --cost "$d/curve.json"
+expect_error 2 '--lookup must be' "$run" --model "$pycode" --heads random:4 --lookup 65 --prompt x
+expect_error 2 'takes no --lookup' "$run" --model "$pycode" --heads random:4 --lookup 4 --policy sampled --prompt x
+expect_error 2 'calibrate-out needs' "$run" --model "$pycode" --heads random:4 --policy typical --calibrate-out "$d/x.json" --prompt x
+expect_error 2 'lookup-ngram' "$run" --model "$pycode" --heads random:4 --lookup 4 --lookup-ngram 3:1 --prompt x
 echo "ok"
