@@ -331,7 +331,11 @@ void write_calibration(const run_args& a, Engine& eng, const medusa::head_weight
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     std::vector<std::int32_t> seq = prompts[i];
     seq.insert(seq.end(), outputs[i].tokens.begin(), outputs[i].tokens.end());
-    if (seq.size() >= 3) medusa::count_paths(eng, all, seq, counts);
+    // The last token of a context-full request was never run: the context holds one fewer.
+    const auto context = static_cast<std::size_t>(eng.config().seq_len);
+    if (seq.size() > context) seq.resize(context);
+    // From the last prompt position on: where decoding runs the heads.
+    if (seq.size() >= 3) medusa::count_paths(eng, all, seq, counts, static_cast<int>(prompts[i].size()) - 1);
   }
   if (counts.positions() == 0) throw medusa::decode_error("--calibrate-out: no position to count (outputs too short)");
   std::ofstream out(a.calibrate_out, std::ios::binary);

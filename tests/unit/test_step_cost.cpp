@@ -87,6 +87,10 @@ TEST_CASE("count_paths: every position's head ranks, as the heads gave them") {
   const auto cal = medusa::parse_calibration(medusa::calibration_json(counts));
   CHECK(cal.conditional());
   CHECK(cal.probability(std::vector<int>{0, 0}) == doctest::Approx(static_cast<double>(zero_zero) / static_cast<double>(T - 2)));
+  // From a first position on: the earlier positions are not counted.
+  medusa::path_counter later(3, 10);
+  medusa::count_paths(model, heads, heads.sequence, later, 10);
+  CHECK(later.positions() == static_cast<std::uint64_t>(T - 2 - 10));
   CHECK_THROWS_AS(medusa::count_paths(model, heads, std::vector<std::int32_t>{1}, counts), medusa::invalid_input);
   medusa::path_counter too_many(4, 10);
   CHECK_THROWS_AS(medusa::count_paths(model, heads, heads.sequence, too_many), medusa::invalid_input);

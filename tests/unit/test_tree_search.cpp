@@ -282,3 +282,26 @@ TEST_CASE("calibration and step-cost files: both versions, round trip, errors") 
   CHECK_THROWS_WITH_AS((void)medusa::parse_step_cost(R"({"format": "medusa-step-cost", "version": 1, "rows": [1], "seconds": [1]})"),
                        doctest::Contains("head_seconds"), medusa::invalid_input);
 }
+
+TEST_CASE("a recorded decoding is replayed: steps skip the positions they accepted") {
+  // One sequence: positions 0-2 right for [0,0], 3 for [0] (rank 5 next), 4 for [1,0]; the last
+  // position has no target and is not recorded.
+  medusa::path_counter c(2, 10);
+  c.next_sequence();
+  for (const auto& r : std::vector<std::vector<int>>{{0, 0}, {0, 0}, {0, 0}, {0, 5}, {1, 0}, {-1, -1}}) c.add(r);
+  const auto cal = c.calibration();
+  REQUIRE(cal.sequences().size() == 1);
+  // Chain [0],[0,0]: steps at 0 (3 tokens) and 3 ([0] right: 2 tokens): 5 / 2.
+  CHECK(cal.replay_tokens_per_step({{0}, {0, 0}}) == doctest::Approx(2.5));
+  // Per position, the same tree looks better: 1 + 4/5 + 3/5 (positions with a head-0 target: 5).
+  CHECK(cal.expected_tokens({{0}, {0, 0}}) == doctest::Approx(2.4));
+  // [1] is right only at the last recorded position, where nothing follows: 5 steps of 1.
+  CHECK(cal.replay_tokens_per_step({{1}}) == doctest::Approx(1.0));
+  // The optimiser predicts with the replay; the file keeps the recording.
+  const medusa::step_cost_curve flat{.rows = {1, 64}, .seconds = {1.0, 1.0}};
+  const auto plan = medusa::optimize_tree(cal, flat, {.max_nodes = 3});
+  CHECK(plan.expected_tokens == doctest::Approx(cal.replay_tokens_per_step(plan.paths)));
+  const auto back = medusa::parse_calibration(medusa::calibration_json(c));
+  CHECK(back.sequences() == cal.sequences());
+  CHECK(back.replay_tokens_per_step({{0}, {0, 0}}) == doctest::Approx(2.5));
+}

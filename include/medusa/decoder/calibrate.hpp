@@ -36,13 +36,17 @@ MEDUSA_NAMESPACE_BEGIN
   return above;
 }
 
-//! Adds every position of `tokens` (a request's prompt and its greedy continuation) to `counts`:
-//! a causal forward over all of them in request `request`'s cache (overwritten; reserved and
-//! released when the model has those hooks), then the heads on each position. Throws
+//! Adds the positions `first`, `first + 1`, ... of `tokens` (a request's prompt and its greedy
+//! continuation) to `counts`: a causal forward over all of them in request `request`'s cache
+//! (overwritten; reserved and released when the model has those hooks), then the heads on each
+//! counted position. Decoding runs the heads from the last prompt position on, so pass
+//! `first = prompt length − 1` to count what decoding sees (the prompt's own tokens are the
+//! user's, not the model's). Throws
 //! `invalid_input` for fewer than 2 tokens, more than the cache holds, or more heads counted than
 //! the heads give; whatever the model or heads throw.
 template <batch_decoder_model Model, draft_heads Heads>
-void count_paths(Model& model, Heads& heads, std::span<const std::int32_t> tokens, path_counter& counts, int request = 0) {
+void count_paths(Model& model, Heads& heads, std::span<const std::int32_t> tokens, path_counter& counts, int first = 0,
+                 int request = 0) {
   const int T = static_cast<int>(tokens.size());
   if (T < 2) throw invalid_input("count_paths: need at least 2 tokens, got " + std::to_string(T));
   if (counts.heads() > heads.num_heads())
@@ -75,7 +79,8 @@ void count_paths(Model& model, Heads& heads, std::span<const std::int32_t> token
   std::vector<float> head_logits(static_cast<std::size_t>(chunk) * HV);
   std::vector<int> ranks(static_cast<std::size_t>(counts.heads()));
   // Position t's heads predict tokens t+2+k; positions without a head-0 target are skipped.
-  for (int t0 = 0; t0 + 2 < T; t0 += chunk) {
+  counts.next_sequence();
+  for (int t0 = std::max(first, 0); t0 + 2 < T; t0 += chunk) {
     const int rows = std::min(chunk, T - 2 - t0);
     const auto* h = hidden.data() + static_cast<std::size_t>(t0) * d;
     if constexpr (batched_draft_heads<Heads>) {
@@ -102,9 +107,9 @@ void count_paths(Model& model, Heads& heads, std::span<const std::int32_t> token
 //! The same for a single-request model (`decoder_model`); its cache is overwritten.
 template <decoder_model Model, draft_heads Heads>
   requires(!batch_decoder_model<Model>)
-void count_paths(Model& model, Heads& heads, std::span<const std::int32_t> tokens, path_counter& counts) {
+void count_paths(Model& model, Heads& heads, std::span<const std::int32_t> tokens, path_counter& counts, int first = 0) {
   detail::single_request_model<Model> one(model);
-  count_paths(one, heads, tokens, counts, 0);
+  count_paths(one, heads, tokens, counts, first, 0);
 }
 
 MEDUSA_NAMESPACE_END

@@ -95,7 +95,22 @@ inline void check_format(const json_value& doc, std::string_view format, std::st
       for (const json_value& r : e.as_array()[0].as_array()) path.push_back(detail::small_int(r, at + " rank"));
       counts.emplace_back(std::move(path), detail::unsigned_member(e.as_array()[1], at + " count"));
     }
-    return path_calibration::from_counts(heads, topk, positions, counts);
+    auto cal = path_calibration::from_counts(heads, topk, positions, counts);
+    if (const json_value* seqs = doc.find("sequences")) {  // optional: the recorded decoding
+      if (!seqs->is_array()) throw invalid_input("calibration: \"sequences\" must be an array");
+      path_calibration::recorded_sequences rec;
+      for (const json_value& seq : seqs->as_array()) {
+        if (!seq.is_array()) throw invalid_input("calibration: \"sequences\" must hold arrays of paths");
+        rec.emplace_back();
+        for (const json_value& p : seq.as_array()) {
+          if (!p.is_array()) throw invalid_input("calibration: a recorded path is not an array");
+          rec.back().emplace_back();
+          for (const json_value& r : p.as_array()) rec.back().back().push_back(detail::small_int(r, "calibration: a recorded rank"));
+        }
+      }
+      cal.set_sequences(std::move(rec));
+    }
+    return cal;
   }
   const json_value& acc = detail::member(doc, "accuracy", what);
   if (!acc.is_array()) throw invalid_input("calibration: \"accuracy\" must be an array of arrays");
@@ -183,6 +198,15 @@ inline void check_format(const json_value& doc, std::string_view format, std::st
     j += detail::path_text(path);
     j += ", ";
     j += std::to_string(count);
+    j += ']';
+  }
+  j += "],\n \"sequences\": [";  // the recorded decoding, replayed by optimize_tree
+  for (std::size_t s = 0; s < c.sequences().size(); ++s) {
+    j += s ? ",\n  [" : "\n  [";
+    for (std::size_t t = 0; t < c.sequences()[s].size(); ++t) {
+      if (t) j += ',';
+      j += detail::path_text(c.sequences()[s][t]);
+    }
     j += ']';
   }
   j += "]}\n";

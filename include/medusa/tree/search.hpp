@@ -149,10 +149,59 @@ class path_calibration {
   }
 
   //! Expected tokens per step of a tree under greedy acceptance: 1 (the root) + Σ P(path).
+  //! This averages over positions; decoding visits the positions where a step starts, and steps
+  //! skip over the easy stretches, so it over-states tokens per step (`replay_tokens_per_step`).
   [[nodiscard]] double expected_tokens(const std::vector<std::vector<int>>& paths) const {
     double s = 1.0;
     for (const auto& p : paths) s += probability(p);
     return s;
+  }
+
+  //! The recorded decoding (`path_counter`): per sequence, per position, the path its drafts
+  //! would have been right on (truncated at the first miss). Empty when not recorded.
+  using recorded_sequences = std::vector<std::vector<std::vector<int>>>;
+  //! Adds a recording (replaces any); throws `invalid_input` for a path deeper than the heads or
+  //! with a rank outside [0, topk).
+  void set_sequences(recorded_sequences seqs) {
+    for (const auto& seq : seqs)
+      for (const auto& p : seq) {
+        if (p.size() > static_cast<std::size_t>(heads_))
+          throw invalid_input("calibration: a recorded path " + detail::path_text(p) + " is deeper than the heads");
+        for (int r : p)
+          if (r < 0 || r >= topk_) throw invalid_input("calibration: a recorded path " + detail::path_text(p) + " has a rank outside the top-k");
+      }
+    sequences_ = std::move(seqs);
+  }
+  //! The recording (may be empty).
+  [[nodiscard]] const recorded_sequences& sequences() const noexcept { return sequences_; }
+
+  //! Tokens per step of greedy decoding with a tree, replayed on the recording: each step starts
+  //! at a position, accepts the longest prefix of that position's path the tree holds, and the
+  //! next step starts after it. Exact for the recorded text; 0 without a recording.
+  [[nodiscard]] double replay_tokens_per_step(const std::vector<std::vector<int>>& paths) const {
+    std::map<std::vector<int>, int> in;
+    for (std::size_t i = 0; i < paths.size(); ++i) in.emplace(paths[i], 0);
+    return replay([&](const std::vector<int>& p, std::size_t len) {
+      return in.count(std::vector<int>(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(len))) > 0;
+    });
+  }
+
+  //! Replay with a membership test `holds(path, length)`: does the tree hold path[0..length)?
+  template <class Holds>
+  [[nodiscard]] double replay(Holds&& holds) const {
+    std::uint64_t tokens = 0, steps = 0;
+    for (const auto& seq : sequences_) {
+      for (std::size_t t = 0; t < seq.size();) {
+        const auto& p = seq[t];
+        std::size_t a = 0;
+        while (a < p.size() && holds(p, a + 1)) ++a;
+        const std::size_t emitted = std::min(a + 1, seq.size() - t);
+        tokens += emitted;
+        ++steps;
+        t += emitted;
+      }
+    }
+    return steps ? static_cast<double>(tokens) / static_cast<double>(steps) : 0.0;
   }
 
  private:
@@ -161,6 +210,7 @@ class path_calibration {
   std::uint64_t positions_ = 0;
   std::map<std::vector<int>, std::uint64_t> counts_;
   std::vector<std::vector<double>> acc_;
+  recorded_sequences sequences_;
 };
 
 //! Counts path-conditional calibration from real decoding: for each position, the ranks of the
@@ -176,6 +226,8 @@ class path_counter {
     head_positions_.assign(static_cast<std::size_t>(heads), 0);
     hits_.assign(static_cast<std::size_t>(heads), std::vector<std::uint64_t>(static_cast<std::size_t>(topk), 0));
   }
+  //! Starts a new recorded sequence (positions are replayed in order within one).
+  void next_sequence() { sequences_.emplace_back(); }
   //! One position: `ranks[k]` = rank of the true token in head k (< 0: no target). Positions
   //! without a head-0 target are not counted.
   void add(std::span<const int> ranks) {
@@ -192,14 +244,20 @@ class path_counter {
       path.push_back(ranks[k]);
       ++counts_[path];
     }
+    if (sequences_.empty()) sequences_.emplace_back();
+    sequences_.back().push_back(std::move(path));
   }
+  //! The recorded paths, per sequence.
+  [[nodiscard]] const path_calibration::recorded_sequences& sequences() const noexcept { return sequences_; }
   //! Positions counted.
   [[nodiscard]] std::uint64_t positions() const noexcept { return positions_; }
   //! The counts, in path order.
   [[nodiscard]] const std::map<std::vector<int>, std::uint64_t>& counts() const noexcept { return counts_; }
   //! The calibration (`path_calibration::from_counts`); throws `invalid_input` if nothing was counted.
   [[nodiscard]] path_calibration calibration() const {
-    return path_calibration::from_counts(heads_, topk_, positions_, {counts_.begin(), counts_.end()});
+    auto c = path_calibration::from_counts(heads_, topk_, positions_, {counts_.begin(), counts_.end()});
+    c.set_sequences(sequences_);
+    return c;
   }
   //! How often head k's rank-r token was right, over its positions (each head on its own).
   [[nodiscard]] double accuracy(int k, int r) const {
@@ -214,6 +272,7 @@ class path_counter {
  private:
   int heads_, topk_;
   std::uint64_t positions_ = 0;
+  path_calibration::recorded_sequences sequences_;
   std::vector<std::uint64_t> head_positions_;
   std::vector<std::vector<std::uint64_t>> hits_;
   std::map<std::vector<int>, std::uint64_t> counts_;
@@ -345,6 +404,46 @@ std::vector<std::vector<int>> ranked_by(Prob&& prob, int topk, int count, int ma
   return detail::ranked_by([&](std::span<const int> p) { return cal.probability(p); }, cal.topk(), count, max_depth);
 }
 
+namespace detail {
+// For each recorded position, the ranking index of each prefix of its path (SIZE_MAX if unranked).
+inline std::vector<std::vector<std::vector<std::size_t>>> ranking_index(const path_calibration::recorded_sequences& seqs,
+                                                                       const std::vector<std::vector<int>>& ranked) {
+  std::vector<std::vector<std::vector<std::size_t>>> out;
+  if (seqs.empty()) return out;
+  std::map<std::vector<int>, std::size_t> index;
+  for (std::size_t i = 0; i < ranked.size(); ++i) index.emplace(ranked[i], i);
+  out.resize(seqs.size());
+  std::vector<int> prefix;
+  for (std::size_t s = 0; s < seqs.size(); ++s) {
+    out[s].resize(seqs[s].size());
+    for (std::size_t t = 0; t < seqs[s].size(); ++t) {
+      prefix.clear();
+      for (int r : seqs[s][t]) {
+        prefix.push_back(r);
+        const auto it = index.find(prefix);
+        if (it == index.end()) break;  // an unranked prefix: nothing deeper is held either
+        out[s][t].push_back(it->second);
+      }
+    }
+  }
+  return out;
+}
+// Tokens per step replaying the recording with the tree of ranked paths 0..limit.
+inline double replay_ranked(const std::vector<std::vector<std::vector<std::size_t>>>& idx, std::size_t limit) {
+  std::uint64_t tokens = 0, steps = 0;
+  for (const auto& seq : idx)
+    for (std::size_t t = 0; t < seq.size();) {
+      std::size_t a = 0;
+      while (a < seq[t].size() && seq[t][a] <= limit) ++a;
+      const std::size_t emitted = std::min(a + 1, seq.size() - t);
+      tokens += emitted;
+      ++steps;
+      t += emitted;
+    }
+  return steps ? static_cast<double>(tokens) / static_cast<double>(steps) : 0.0;
+}
+}  // namespace detail
+
 //! The tree with the highest predicted tokens per second among the best trees of every size from
 //! 2 to `max_nodes` nodes and every depth limit (the heads a tree reaches cost time too). When no
 //! tree beats plain decoding the plan still holds the best one (predicted_speedup < 1): the caller
@@ -361,10 +460,14 @@ std::vector<std::vector<int>> ranked_by(Prob&& prob, int topk, int count, int ma
   for (int d = 1; d <= max_depth; ++d) {
     auto ranked = ranked_paths(cal, opt.max_nodes - 1, d);
     if (ranked.empty()) ranked.push_back({0});  // no draft was ever right: the cheapest tree
+    // With a recording, tokens per step come from replaying it: the tree of the first i + 1
+    // ranked paths holds a prefix iff the prefix's ranking index is ≤ i (looked up once here).
+    const auto prefix_index = detail::ranking_index(cal.sequences(), ranked);
     double tokens = 1.0;
     int depth = 0;
     for (std::size_t i = 0; i < ranked.size(); ++i) {
       tokens += cal.probability(ranked[i]);
+      if (!prefix_index.empty()) tokens = detail::replay_ranked(prefix_index, i);
       depth = std::max(depth, static_cast<int>(ranked[i].size()));
       tree_size_estimate e;
       e.nodes = static_cast<int>(i) + 2;
