@@ -143,6 +143,12 @@ nlohmann::json to_json(const run_report& r) {
   return j;
 }
 
+// One JSON line. Generated text may cut a UTF-8 sequence between tokens (or hold byte tokens
+// that are not UTF-8): such bytes print as U+FFFD instead of failing the run.
+std::string json_line(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 // Medusa tokens/s over plain tokens/s (0 when plain decoding produced nothing).
 double speedup_of(double plain_tps, double medusa_tps) { return plain_tps > 0 ? medusa_tps / plain_tps : 0.0; }
 
@@ -485,7 +491,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
         run_report one{r.mode, r.results[i], r.texts[i], {}};
         auto j = to_json(one);
         j["request"] = i;
-        std::printf("%s\n", j.dump().c_str());
+        std::printf("%s\n", json_line(j).c_str());
       }
     nlohmann::json summary = {{"batch", *a.batch}, {"requests", prompts.size()}, {"threads", eng.threads()},
                               {"max_new_tokens", a.max_new_tokens}};
@@ -499,7 +505,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
       summary["differing_requests"] = differ;
       summary["speedup"] = speedup;
     }
-    std::printf("%s\n", summary.dump().c_str());
+    std::printf("%s\n", json_line(summary).c_str());
   } else {
     const auto& last = reports.back();
     for (std::size_t i = 0; i < prompts.size(); ++i)
@@ -631,7 +637,7 @@ int run(run_args a) {
         std::printf("\n");
         std::fflush(stdout);  // the summary goes to stderr after this
       }
-      if (a.json) std::printf("%s\n", to_json(r).dump().c_str());
+      if (a.json) std::printf("%s\n", json_line(to_json(r)).c_str());
       reports.push_back(std::move(r));
     };
     if (a.mode != run_mode::medusa) one("vanilla");
