@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """Tree report: plain decoding, every preset, the calibrated trees and `--tree auto`, predicted
-against measured, on held-out prompts; JSON plus an SVG plot (gnuplot).
+against measured, on held-out prompts; JSON plus a PNG plot (gnuplot).
 
 Builds a prompt file from the first LINES lines of NUM Python files of a directory held out from
 the heads' training data, then for each weight format and tree runs
@@ -115,8 +115,8 @@ def plot(out: pathlib.Path, rows: list) -> None:
                         f'{r["speedup_aggregate"]:.4f} {r["predicted_speedup"]:.4f}\n')
             f.write("\n\n")
     script = f"""
-set terminal svg size 960,420 dynamic font 'sans,11'
-set output '{out / "tree_report.svg"}'
+set terminal pngcairo size 1000,440 font 'sans,10'
+set output '{out / "tree_report.png"}'
 set multiplot layout 1,2 title 'pycode-15m, held-out prompts, f32, 2 threads: measured (points) and predicted (lines)'
 set logscale x 2
 set xlabel 'tree nodes (root included)'
@@ -148,7 +148,8 @@ def main() -> int:
     ap.add_argument("--variants", default="lookup:--lookup 8;dynamic:--dynamic;dynamic+lookup:--dynamic --lookup 8",
                     help="NAME:EXTRA-ARGS;... runs of auto with per-step drafts (measured only)")
     ap.add_argument("--skip-presets", action="store_true")
-    ap.add_argument("--out", required=True, help="output directory (tree_report.json, .dat, .svg)")
+    ap.add_argument("--out", required=True, help="output directory (tree_report.json, .dat, .png)")
+    ap.add_argument("--plot-only", action="store_true", help="only redraw the plot from OUT/tree_report.json")
     ap.add_argument("--weights", default="f32,bf16")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--prompt-dir", default="/usr/lib/python3/dist-packages")
@@ -160,6 +161,9 @@ def main() -> int:
 
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.plot_only:
+        plot(out, json.loads((out / "tree_report.json").read_text())["rows"])
+        return 0
     cal_file = a.calibration or str(pathlib.Path(a.heads) / "calibration.json")
     cal = json.loads(pathlib.Path(cal_file).read_text())
     cal_args = ["--calibration", cal_file] if a.calibration else []
@@ -201,7 +205,7 @@ def main() -> int:
     (out / "tree_report.json").write_text(json.dumps({"prompts": len(prompts), "tokens": a.tokens, "rows": rows}, indent=1))
     try:
         plot(out, rows)
-        print(f"wrote {out / 'tree_report.json'} and {out / 'tree_report.svg'}")
+        print(f"wrote {out / 'tree_report.json'} and {out / 'tree_report.png'}")
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"wrote {out / 'tree_report.json'}; no plot ({e})")
     return 0 if all(r["identical"] for r in rows) else 1

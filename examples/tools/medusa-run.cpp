@@ -425,7 +425,7 @@ batch_report serve_all(Decoder& dec, medusa_llama::batch_engine& eng, const std:
   return rep;
 }
 
-// " (predicted N.NNx)" when the tree search chose the tree.
+// " (predicted N.NNx)" when the tree search chose the tree (its model is greedy acceptance).
 std::string predicted_note(const nlohmann::json& info) {
   if (!info.is_object() || !info.contains("predicted_speedup")) return {};
   return fmt::format(" (predicted {:.2f}x)", info["predicted_speedup"].get<double>());
@@ -519,7 +519,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
       std::fprintf(stderr, "tokens identical: %s (%zu of %zu requests differ)%s\nspeedup (medusa / vanilla tokens per second): %.2fx%s\n",
                    differ.empty() ? "yes" : "no", differ.size(), prompts.size(),
                    greedy ? "" : " (only greedy decoding is expected to match token for token)", speedup,
-                   predicted_note(choice.info).c_str());
+                   greedy ? predicted_note(choice.info).c_str() : "");
   }
   if (greedy && !differ.empty()) {
     std::fprintf(stderr, "medusa-run: error: greedy Medusa tokens differ from plain decoding for request %zu\n", differ[0]);
@@ -660,7 +660,8 @@ int run(run_args a) {
                      std::is_same_v<decltype(policy), medusa::greedy_policy>
                          ? ""
                          : " (only greedy decoding is expected to match token for token)",
-                     speedup, predicted_note(choice.info).c_str());
+                     speedup,
+                     std::is_same_v<decltype(policy), medusa::greedy_policy> ? predicted_note(choice.info).c_str() : "");
       }
     }
   };

@@ -24,5 +24,8 @@
 #include <medusa/attention.hpp>
 #include <medusa/gemm.hpp>
 #include <medusa/heads.hpp>
+#include <medusa/drafts.hpp>
 #include <medusa/decoder.hpp>
+#include <medusa/decoder/calibrate.hpp>
+#include <medusa/decoder/step_cost.hpp>
 #include <medusa/dispatch.hpp>
