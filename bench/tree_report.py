@@ -58,7 +58,7 @@ def replay(cal: dict, paths: list) -> float:
     """path_calibration::replay_tokens_per_step: greedy decoding replayed on the recorded paths."""
     held = {tuple(p) for p in paths}
     tokens = steps = 0
-    for seq in cal["sequences"]:
+    for seq in cal["recorded_paths"]:
         t = 0
         while t < len(seq):
             p, a = seq[t], 0
@@ -70,7 +70,7 @@ def replay(cal: dict, paths: list) -> float:
 
 
 def predict(cal: dict, curve: dict, paths: list) -> tuple:
-    tokens = replay(cal, paths) if cal.get("sequences") else 1.0 + sum(probability(cal, p) for p in paths)
+    tokens = replay(cal, paths) if cal.get("recorded_paths") else 1.0 + sum(probability(cal, p) for p in paths)
     depth = max((len(p) for p in paths), default=0)
     cost = (forward_seconds(curve, len(paths) + 1) + depth * curve["head_seconds"] + curve["overhead_seconds"]) / curve["seconds"][0]
     return tokens, tokens / cost

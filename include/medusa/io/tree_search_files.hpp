@@ -96,11 +96,11 @@ inline void check_format(const json_value& doc, std::string_view format, std::st
       counts.emplace_back(std::move(path), detail::unsigned_member(e.as_array()[1], at + " count"));
     }
     auto cal = path_calibration::from_counts(heads, topk, positions, counts);
-    if (const json_value* seqs = doc.find("sequences")) {  // optional: the recorded decoding
-      if (!seqs->is_array()) throw invalid_input("calibration: \"sequences\" must be an array");
+    if (const json_value* seqs = doc.find("recorded_paths")) {  // optional: the recorded decoding
+      if (!seqs->is_array()) throw invalid_input("calibration: \"recorded_paths\" must be an array");
       path_calibration::recorded_sequences rec;
       for (const json_value& seq : seqs->as_array()) {
-        if (!seq.is_array()) throw invalid_input("calibration: \"sequences\" must hold arrays of paths");
+        if (!seq.is_array()) throw invalid_input("calibration: \"recorded_paths\" must hold arrays of paths");
         rec.emplace_back();
         for (const json_value& p : seq.as_array()) {
           if (!p.is_array()) throw invalid_input("calibration: a recorded path is not an array");
@@ -200,7 +200,7 @@ inline void check_format(const json_value& doc, std::string_view format, std::st
     j += std::to_string(count);
     j += ']';
   }
-  j += "],\n \"sequences\": [";  // the recorded decoding, replayed by optimize_tree
+  j += "],\n \"recorded_paths\": [";  // the recorded decoding, replayed by optimize_tree
   for (std::size_t s = 0; s < c.sequences().size(); ++s) {
     j += s ? ",\n  [" : "\n  [";
     for (std::size_t t = 0; t < c.sequences()[s].size(); ++t) {
