@@ -1,9 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // The model of docs/decoder.md, compiled and run: a model that owns its KV buffers and returns a
 // writable view from a non-const kv_cache(), seeded random heads from the library, and greedy
-// Medusa output equal to plain greedy decoding.
+// Medusa output equal to plain greedy decoding; the tree search and per-step drafts of
+// docs/tree.md and docs/decoder.md on the same model.
 #include <doctest/doctest.h>
 #include <medusa/decoder.hpp>
+#include <medusa/decoder/calibrate.hpp>
+#include <medusa/decoder/step_cost.hpp>
+#include <medusa/drafts.hpp>
 #include <medusa/io/head_checkpoint.hpp>
 #include <medusa/tree.hpp>
 
@@ -86,6 +90,41 @@ TEST_CASE("docs/decoder.md: the documented model decodes, and greedy Medusa equa
   CHECK(out.tokens == plain.tokens);
   CHECK(streamed == out.tokens);
   CHECK(model.forwards - plain_forwards < plain_forwards);  // drafts were accepted: fewer forwards
+}
+
+TEST_CASE("docs/tree.md and docs/decoder.md: the best tree for the machine, then per-step drafts") {
+  my_model model(5);
+  const medusa::head_weights weights = medusa::head_weights::random(
+      my_model::dim, my_model::vocab, 4, 1, medusa::weight_dtype::f32,
+      medusa::weight_ptr{model.lm_head.data(), medusa::weight_dtype::f32}, /*seed=*/17);
+  const auto stack = weights.view();
+  medusa::portable_gemm<> gemm;
+  medusa::head_stack_runner heads(stack, gemm);
+  const std::vector<std::int32_t> prompt{3, 14, 15, 9, 26};
+  medusa::decode_options opt;
+  opt.max_new_tokens = 64;
+  const auto plain = medusa::generate_vanilla(model, prompt, medusa::greedy_policy{}, opt);
+
+  // --- docs/tree.md, "Choosing a tree" (a calibration counted on this model's own decoding) ---
+  medusa::path_counter counts(4, 10);
+  std::vector<std::int32_t> text = prompt;
+  text.insert(text.end(), plain.tokens.begin(), plain.tokens.end());
+  medusa::count_paths(model, heads, text, counts, static_cast<int>(prompt.size()) - 1);
+  const auto cal = counts.calibration();
+  auto cost = medusa::measure_step_cost(model, heads, {.rows = {1, 2, 4, 8, 16, 32}});  // before decoding in that cache
+  auto plan = medusa::optimize_tree(cal, cost, {.max_nodes = 32});
+  auto t = medusa::tree::from_paths(plan.paths);  // plan.predicted_speedup
+  CHECK(plan.predicted_speedup > 0.0);
+
+  // --- docs/decoder.md, "Dynamic and hybrid drafts" -------------------------------------------
+  medusa::step_drafter drafter({.paths = plan.paths,
+                                .dynamic_nodes = 0,
+                                .lookup = medusa::ngram_lookup{.min_ngram = 2, .max_ngram = 4, .max_tokens = 8}},
+                               /*heads=*/4);
+  medusa::decoder dec(model, heads, drafter, medusa::greedy_policy{});
+  CHECK(dec.generate(prompt, opt).tokens == plain.tokens);
+  medusa::decoder fixed(model, heads, t, medusa::greedy_policy{});
+  CHECK(fixed.generate(prompt, opt).tokens == plain.tokens);
 }
 
 TEST_CASE("head_weights::random is seeded: same arguments, same weights; another seed, others") {
