@@ -9,6 +9,7 @@
 
 #include <doctest/doctest.h>
 
+#include <limits>
 #include <vector>
 
 namespace {
@@ -112,4 +113,21 @@ TEST_CASE("bad drafter options are refused") {
   CHECK_THROWS_AS(medusa::step_drafter({.dynamic_nodes = -1}, 4), medusa::invalid_input);
   CHECK_THROWS_AS(medusa::step_drafter({.paths = {{0}, {0, 0}, {0, 0, 0}}}, 2), medusa::tree_error);  // deeper than the heads
   CHECK_THROWS_AS(medusa::step_drafter({.paths = {{0}}, .lookup = medusa::ngram_lookup{.max_tokens = 0}}, 2), medusa::invalid_input);
+}
+
+TEST_CASE("a step whose drafts cannot be built fails its request with the drafter's error") {
+  tiny_model model(128);
+  struct nan_heads {
+    int num_heads() const { return 2; }
+    void forward(std::span<const float>, std::span<float> logits) const {
+      for (float& x : logits) x = std::numeric_limits<float>::quiet_NaN();
+    }
+  } heads;
+  medusa::decode_options opt;
+  opt.max_new_tokens = 8;
+  medusa::decoder dec(model, heads, medusa::step_drafter({.dynamic_nodes = 4}, 2), medusa::greedy_policy{});
+  CHECK_THROWS_AS(dec.generate(prompt, opt), medusa::acceptance_error);
+  // The decoder is still usable afterwards: with a lookup alone (no heads read), it decodes.
+  medusa::decoder lookup_only(model, heads, medusa::step_drafter({.lookup = medusa::ngram_lookup{}}, 2), medusa::greedy_policy{});
+  CHECK(lookup_only.generate(prompt, opt).tokens == medusa::generate_vanilla(model, prompt, medusa::greedy_policy{}, opt).tokens);
 }

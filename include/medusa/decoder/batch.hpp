@@ -603,7 +603,6 @@ class batch_decoder {
             s.rows = 1;
           }
         }
-        masks_[to_size(B)] = s.rows > 1 ? s.step_tree->mask_view() : plain_tree{}.mask_view();
       }
       const int count = s.rows;
       if (!per_step && count > 1) {  // a tree step (a plain step is one row)
@@ -630,6 +629,7 @@ class batch_decoder {
         s.rows = 0;
         continue;
       }
+      if constexpr (per_step) masks_[to_size(B)] = count > 1 ? s.step_tree->mask_view() : plain_tree{}.mask_view();
       add_member(s, L, B, T);
     }
     const double candidates_time = seconds_since(t0);
