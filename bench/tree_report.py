@@ -9,7 +9,7 @@ the heads' training data, then for each weight format and tree runs
 prompt in one process) and records per prompt the Medusa / plain tokens-per-second ratio and the
 tokens per step (the table's first speedup and tokens per step are over all prompts together,
 which is what the prediction models; the median is over prompts). The prediction of each tree comes from the heads' calibration.json and the step-cost
-curve `--tree auto` measured in the same session (the model of docs/tree.md, "Choosing a tree").
+curve `--tree auto` measured in the same run (the model of docs/tree.md, "Choosing a tree").
 
   bench/tree_report.py --bin build/release/examples --model ../shared/models/pycode-15m/model.bin \\
       --heads build/heads/pycode-15m --out build/tree-report
