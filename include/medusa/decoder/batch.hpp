@@ -398,10 +398,7 @@ class batch_decoder {
     return nullptr;
   }
 
-  int context_of(int request) {
-    if constexpr (context_bounded_model<Model>) return static_cast<int>(model_.max_context());
-    else return kv_capacity(model_.kv_cache(request));
-  }
+  int context_of(int request) { return detail::request_context(model_, request); }
 
   void retire(slot& s) {
     s.active = false;

@@ -52,9 +52,7 @@ void count_paths(Model& model, Heads& heads, std::span<const std::int32_t> token
   if (counts.heads() > heads.num_heads())
     throw invalid_input("count_paths: counting " + std::to_string(counts.heads()) + " heads but the heads give " +
                         std::to_string(heads.num_heads()));
-  int capacity = 0;
-  if constexpr (context_bounded_model<Model>) capacity = static_cast<int>(model.max_context());
-  else capacity = kv_capacity(model.kv_cache(request));
+  const int capacity = detail::request_context(model, request);
   if (T > capacity) throw invalid_input("count_paths: " + std::to_string(T) + " tokens do not fit the context of " + std::to_string(capacity));
   if constexpr (kv_reserving_model<Model>) model.reserve(request, T);
   const auto V = static_cast<std::size_t>(model.vocab_size()), d = static_cast<std::size_t>(model.hidden_size());
@@ -62,17 +60,7 @@ void count_paths(Model& model, Heads& heads, std::span<const std::int32_t> token
   std::vector<std::int32_t> positions(n);
   for (int i = 0; i < T; ++i) positions[static_cast<std::size_t>(i)] = i;
   std::vector<float> logits(n * V), hidden(n * d);
-  const int indptr[2] = {0, T};
-  const int lengths[1] = {0};
-  ragged_batch b;
-  b.requests = std::span<const int>(&request, 1);
-  b.qo_indptr = indptr;
-  b.tokens = tokens;
-  b.positions = positions;
-  b.cache_lengths = lengths;
-  b.logits = logits;
-  b.hidden = hidden;
-  model.forward(b);
+  detail::forward_request(model, request, tokens, positions, 0, false, logits, hidden);
   const int H = heads.num_heads();
   const auto HV = static_cast<std::size_t>(H) * V;
   constexpr int chunk = 32;  // positions per heads call (batched heads read their weights once)

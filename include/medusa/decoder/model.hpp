@@ -139,6 +139,36 @@ concept context_bounded_model = requires(const M& m) {
   { m.max_context() } -> std::convertible_to<int>;
 };
 
+namespace detail {
+// Slots a request of a batch model can hold: its `max_context()` when it has one, else what its
+// cache view addresses.
+template <batch_decoder_model Model>
+int request_context(Model& model, int request) {
+  if constexpr (context_bounded_model<Model>) return static_cast<int>(model.max_context());
+  else return kv_capacity(model.kv_cache(request));
+}
+
+// One causal forward of one request: `tokens` at `positions` after `cache_length` committed slots,
+// outputs for every row (or the last one only).
+template <batch_decoder_model Model>
+void forward_request(Model& model, const int& request, std::span<const std::int32_t> tokens,
+                     std::span<const std::int32_t> positions, int cache_length, bool last_row_only,
+                     std::span<float> logits, std::span<float> hidden) {
+  const int indptr[2] = {0, static_cast<int>(tokens.size())};
+  const int lengths[1] = {cache_length};
+  ragged_batch b;
+  b.requests = std::span<const int>(&request, 1);
+  b.qo_indptr = indptr;
+  b.tokens = tokens;
+  b.positions = positions;
+  b.cache_lengths = lengths;
+  b.last_row_only = last_row_only;
+  b.logits = logits;
+  b.hidden = hidden;
+  model.forward(b);
+}
+}  // namespace detail
+
 // ------------------------------------------------------------------------------------------------
 // Draft heads
 // ------------------------------------------------------------------------------------------------

@@ -58,9 +58,7 @@ step_cost_curve measure_step_cost(Model& model, Heads& heads, const step_cost_op
   }
   if (opt.repeats < 1) throw invalid_input("step cost: repeats must be >= 1, got " + std::to_string(opt.repeats));
   const int max_rows = opt.rows.back();
-  int capacity = std::numeric_limits<int>::max();
-  if constexpr (context_bounded_model<Model>) capacity = static_cast<int>(model.max_context());
-  else capacity = kv_capacity(model.kv_cache(opt.request));
+  const int capacity = detail::request_context(model, opt.request);
   const int context = std::min(opt.context, capacity - max_rows);
   if (context < 1)
     throw invalid_input("step cost: a " + std::to_string(max_rows) + "-token step does not fit a cache of " +
@@ -78,19 +76,12 @@ step_cost_curve measure_step_cost(Model& model, Heads& heads, const step_cost_op
       tokens[static_cast<std::size_t>(i)] = (i * 7 + 1) % vocab;
       positions[static_cast<std::size_t>(i)] = cache_length + i;
     }
-    const int indptr[2] = {0, n};
-    const int lengths[1] = {cache_length};
-    ragged_batch b;
-    b.requests = std::span<const int>(&request, 1);
-    b.qo_indptr = indptr;
-    b.tokens = std::span<const std::int32_t>(tokens.data(), static_cast<std::size_t>(n));
-    b.positions = std::span<const std::int32_t>(positions.data(), static_cast<std::size_t>(n));
-    b.cache_lengths = lengths;
-    b.last_row_only = last_only;
     const std::size_t out_rows = last_only ? 1 : static_cast<std::size_t>(n);
-    b.logits = std::span<float>(logits.data(), out_rows * static_cast<std::size_t>(vocab));
-    b.hidden = std::span<float>(states.data(), out_rows * static_cast<std::size_t>(hidden));
-    model.forward(b);  // causal within the step: a chain costs what a tree of as many nodes does
+    // Causal within the step: a chain costs what a tree of as many nodes does.
+    detail::forward_request(model, request, std::span<const std::int32_t>(tokens.data(), static_cast<std::size_t>(n)),
+                            std::span<const std::int32_t>(positions.data(), static_cast<std::size_t>(n)), cache_length,
+                            last_only, std::span<float>(logits.data(), out_rows * static_cast<std::size_t>(vocab)),
+                            std::span<float>(states.data(), out_rows * static_cast<std::size_t>(hidden)));
   };
   run(context, 0, true);  // the prefix the steps attend to; also warms caches and threads
 
