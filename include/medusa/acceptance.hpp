@@ -442,6 +442,17 @@ void fill_path(const Tree& t, const verify_request& req, int last, verify_result
   }
 }
 
+//! Reference-compatible row of a sampled path: the first leaf row through its final node.
+template <tree_like Tree>
+void set_first_row_through(const Tree& t, verify_result& res) {
+  for (int p = 0; p < t.num_leaves(); ++p) {
+    if (t.retrieve(p, res.accept_length) == res.next_node) {
+      res.best_row = p;
+      return;
+    }
+  }
+}
+
 //! Shortens an accepted path at its first EOS draft; true if it did.
 inline bool truncate_at_eos(const verify_request& req, verify_result& res) {
   if (req.eos_token < 0) return false;
@@ -732,14 +743,7 @@ verify_result verify_sampling(const Tree& t, const verify_request& req, const Po
       break;
     }
   }
-  // Reference-compatible row: the first leaf row through the final node.
-  const int a = res.accept_length;
-  for (int p = 0; p < t.num_leaves(); ++p) {
-    if (t.retrieve(p, a) == res.next_node) {
-      res.best_row = p;
-      break;
-    }
-  }
+  set_first_row_through(t, res);
   return res;
 }
 
@@ -954,13 +958,7 @@ verify_result verify_depth_drafts(const Tree& t, const verify_request& req, cons
       break;
     }
   }
-  const int a = res.accept_length;
-  for (int q = 0; q < t.num_leaves(); ++q) {
-    if (t.retrieve(q, a) == res.next_node) {
-      res.best_row = q;
-      break;
-    }
-  }
+  set_first_row_through(t, res);
   return res;
 }
 
