@@ -3,6 +3,8 @@
 // first two generated tokens (accepted drafts, then the bonus, continued by the next step when
 // needed) are distributed exactly as autoregressive sampling from the warped target. Vocab 8, a
 // 3-level tree, 200k seeded trials per configuration, chi-square with p > 0.001 (Wilson–Hilferty).
+#include "stats_common.hpp"
+
 #include <medusa/acceptance.hpp>
 
 #include <doctest/doctest.h>
@@ -51,60 +53,22 @@ void model_logits(const std::vector<int>& context, std::uint64_t salt, float* ou
   logits_of(context_hash(context, salt), out);
 }
 
-// Independent reference of the warp (double, libm, full sort).
+// Independent reference of the warp (double, libm, full sort; stats_common.hpp).
 std::array<double, vocab> reference_warp(const float* z, double temperature, double top_p) {
-  std::array<double, vocab> q{};
-  double m = *std::max_element(z, z + vocab), s = 0.0;
-  for (int x = 0; x < vocab; ++x) s += q[static_cast<std::size_t>(x)] = std::exp((z[x] - m) / temperature);
-  for (auto& v : q) v /= s;
-  std::array<int, vocab> order{};
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return z[a] > z[b]; });
-  double above = 0.0, kept = 0.0;
+  const auto q = stats::reference_warp(z, vocab, temperature, 0, top_p);
   std::array<double, vocab> out{};
-  for (int i = 0; i < vocab; ++i) {
-    const auto x = static_cast<std::size_t>(order[static_cast<std::size_t>(i)]);
-    if (above <= top_p) {
-      out[x] = q[x];
-      kept += q[x];
-    }
-    above += q[x];
-  }
-  for (auto& v : out) v /= kept;
+  std::copy(q.begin(), q.end(), out.begin());
   return out;
 }
 
-// Upper tail of chi-square with k degrees of freedom (Wilson–Hilferty normal approximation).
-double chi2_survival(double x, int k) {
-  const double kk = k;
-  const double z = (std::cbrt(x / kk) - (1.0 - 2.0 / (9.0 * kk))) / std::sqrt(2.0 / (9.0 * kk));
-  return 0.5 * std::erfc(z / std::sqrt(2.0));
-}
+using stats::chi2_survival;
 
-// Pearson chi-square over cells, pooling cells expected below 5; zero-probability cells must
-// stay empty. Returns the p-value.
+// Pearson chi-square over cells (stats::chi2_test); zero-probability cells must stay empty.
+// Returns the p-value.
 double chi2_p(const std::vector<double>& expected_prob, const std::vector<long>& observed, long n) {
-  double chi2 = 0.0, pool_e = 0.0, pool_o = 0.0;
-  int cells = 0;
-  for (std::size_t i = 0; i < expected_prob.size(); ++i) {
-    const double e = expected_prob[i] * static_cast<double>(n);
-    if (expected_prob[i] == 0.0) {
-      CHECK(observed[i] == 0);
-      continue;
-    }
-    if (e < 5.0) {
-      pool_e += e;
-      pool_o += static_cast<double>(observed[i]);
-      continue;
-    }
-    chi2 += (static_cast<double>(observed[i]) - e) * (static_cast<double>(observed[i]) - e) / e;
-    ++cells;
-  }
-  if (pool_e > 0.0) {
-    chi2 += (pool_o - pool_e) * (pool_o - pool_e) / pool_e;
-    ++cells;
-  }
-  return cells > 1 ? chi2_survival(chi2, cells - 1) : 1.0;
+  const auto r = stats::chi2_test(expected_prob, observed, n);
+  CHECK_FALSE(r.impossible);
+  return r.p;
 }
 
 struct config {

@@ -237,19 +237,26 @@ struct oracle_heads {
   }
 };
 
-inline std::vector<float> states_of(tiny_model& m, const std::vector<std::int32_t>& seq) {
+// Logits [T][vocab] and hidden states [T][dim] of every position of `seq` (a fresh forward from slot 0).
+struct sequence_outputs {
+  std::vector<float> logits, hidden;
+};
+inline sequence_outputs outputs_of(tiny_model& m, const std::vector<std::int32_t>& seq) {
   const int T = static_cast<int>(seq.size());
   std::vector<std::int32_t> pos(T);
   for (int i = 0; i < T; ++i) pos[i] = i;
-  std::vector<float> logits(static_cast<std::size_t>(T) * tiny_model::vocab), hidden(static_cast<std::size_t>(T) * tiny_model::dim);
+  sequence_outputs out{std::vector<float>(static_cast<std::size_t>(T) * tiny_model::vocab),
+                       std::vector<float>(static_cast<std::size_t>(T) * tiny_model::dim)};
   medusa::forward_batch b;
   b.tokens = seq;
   b.positions = pos;
-  b.logits = logits;
-  b.hidden = hidden;
+  b.logits = out.logits;
+  b.hidden = out.hidden;
   m.forward(b);
-  return hidden;
+  return out;
 }
+
+inline std::vector<float> states_of(tiny_model& m, const std::vector<std::int32_t>& seq) { return outputs_of(m, seq).hidden; }
 
 
 }  // namespace tiny
