@@ -12,10 +12,14 @@
 //!
 //! The kernel is flash-attention style: each KV head's query rows (all nodes × the query heads
 //! of the group) are processed together against blocks of 64 keys, so a K/V row is read and
-//! converted once per group; scores and softmax are accumulated online. The micro-kernels take
-//! the rows 4 at a time, the last block holding the 1 to 3 rows left, so no padding row is
-//! computed; a call with one query row in all (plain decoding, one query head per KV head) takes
-//! its scores as direct dot products with the K rows instead of a transposed K block (AVX-512).
+//! converted once per group; scores and softmax are accumulated online. With AVX-512 and a head
+//! dimension that is a multiple of 16, a row's keys are taken in position order (the committed
+//! slots, then the tree keys it sees: its ancestors at L, L+1, ...), cut at multiples of 64, and
+//! each score is a direct dot product with the K row: a row's output then has the same bits
+//! whether it is computed alone (plain decoding), in a tree or in a causal chunk, which keeps
+//! greedy Medusa decoding identical to plain decoding even on quantized weights. Blocks wholly
+//! in the committed prefix are shared by all rows (4 at a time for the softmax and P·V); the
+//! rest is gathered per row. Elsewhere a transposed K block serves 4 rows at a time.
 //! The inner loops use AVX-512 when the compiler targets it (`-march=native` on an AVX-512
 //! machine) and a portable auto-vectorisable path otherwise (define `MEDUSA_PORTABLE_KERNELS` to
 //! force it); the functions live in the instruction-set namespace of config.hpp. No threads are
@@ -48,6 +52,7 @@
 #include <medusa/tree/mask.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <concepts>
 #include <cstddef>
@@ -225,12 +230,13 @@ struct attn_task {
     constexpr int R = attn_rows;
     const int rows = r1 - r0;
     const auto Dz = static_cast<std::size_t>(D);
-    // A call with a single query row in all (one query, one query head per KV head: plain
-    // decoding) takes each score as a direct dot product with the K row: transposing a K block
-    // costs more than the one row's products. Its scores may differ from the transposed form in
-    // the last bits (another summation order); every other call keeps that form.
+    // With AVX-512 (and D a multiple of 16) the keys are taken in position order, cut at multiples
+    // of B, and every score is a direct dot product with the K row (`run_positional`): a row's
+    // output then has the same bits alone (plain decoding) as in a tree or a chunk, so greedy
+    // Medusa decoding repeats plain decoding exactly, even where quantized activations would turn
+    // a last-bit difference into another token. The transposed form below serves the rest.
 #if MEDUSA_ISA_AVX512
-    const bool direct = nq * G == 1 && D % 16 == 0;
+    const bool direct = D % 16 == 0;
 #else
     constexpr bool direct = false;
 #endif
@@ -263,9 +269,11 @@ struct attn_task {
                                      static_cast<std::size_t>(g * G + rr % G)) * Dz;
       for (int d = 0; d < D; ++d) Q[static_cast<std::size_t>(r) * Dz + static_cast<std::size_t>(d)] = src[d] * qscale;
     }
-    // Last chunk/tree key any row of a row block can see: blocks beyond it are skipped.
-    const int nblocks_p = (L + B - 1) / B;
-    const int nblocks_t = (nq + B - 1) / B;
+#if MEDUSA_ISA_AVX512
+    if (direct) run_positional(g, rows, Q, O, Kt, Vb, S, m, l, node, krows, vrows);
+#endif
+    const int nblocks_p = direct ? 0 : (L + B - 1) / B;
+    const int nblocks_t = direct ? 0 : (nq + B - 1) / B;
     for (int blk = 0; blk < nblocks_p + nblocks_t; ++blk) {
       const bool tree = blk >= nblocks_p;
       const int j0 = tree ? (blk - nblocks_p) * B : blk * B;
@@ -285,25 +293,14 @@ struct attn_task {
           krows[j] = kv.k_row(layer, slot0 + j, g);
           vrows[j] = kv.v_row(layer, slot0 + j, g);
         }
-        if (!direct) {
 #if MEDUSA_ISA_AVX512
-          if (D % 16 == 0)
-            for (; k + 16 <= cnt; k += 16)
-              for (int d0 = 0; d0 < D; d0 += 16)
-                attn_transpose16(krows + k, d0, Kt + static_cast<std::size_t>(d0) * B + k, B);
+        if (D % 16 == 0)
+          for (; k + 16 <= cnt; k += 16)
+            for (int d0 = 0; d0 < D; d0 += 16)
+              attn_transpose16(krows + k, d0, Kt + static_cast<std::size_t>(d0) * B + k, B);
 #endif
-          for (; k < cnt; ++k)
-            for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = krows[k][d];
-        }
-      } else if (direct) {
-        for (; k < cnt; ++k) {
-          float* krow = Kt + static_cast<std::size_t>(k) * Dz;
-          float* vrow = Vb + static_cast<std::size_t>(k) * Dz;
-          attn_load_row(kv.k_row(layer, slot0 + k, g), krow, D);
-          attn_load_row(kv.v_row(layer, slot0 + k, g), vrow, D);
-          krows[k] = krow;
-          vrows[k] = vrow;
-        }
+        for (; k < cnt; ++k)
+          for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = krows[k][d];
       } else {
         for (; k < cnt; ++k) {
           float* vrow = Vb + static_cast<std::size_t>(k) * Dz;
@@ -312,15 +309,6 @@ struct attn_task {
           vrows[k] = vrow;
           for (int d = 0; d < D; ++d) Kt[static_cast<std::size_t>(d) * B + static_cast<std::size_t>(k)] = tmp[d];
         }
-      }
-      if (direct) {
-#if MEDUSA_ISA_AVX512
-        const std::uint64_t vis = tree ? bits(node[0], j0) & valid : valid;
-        qk_direct(Q, krows, cnt, S);
-        softmax_update<1>(S, &vis, m, l, O);
-        pv<1>(S, vrows, cnt, O);
-#endif
-        continue;
       }
       if (cnt < B)
         for (int d = 0; d < D; ++d) std::fill(Kt + static_cast<std::size_t>(d) * B + cnt, Kt + static_cast<std::size_t>(d + 1) * B, 0.0f);
@@ -354,6 +342,79 @@ struct attn_task {
       for (int d = 0; d < D; ++d) dst[d] = o[d] * inv;
     }
   }
+
+#if MEDUSA_ISA_AVX512
+  // The direct path. Keys in position order, cut at multiples of B: the prefix holds positions
+  // [0, L); the tree or chunk keys a row sees (its ancestors and itself, in node order) follow at
+  // L, L+1, ... So a row meets the same blocks of the same keys whether it runs alone (plain
+  // decoding), in a tree or in a causal chunk. The blocks wholly in the prefix are shared by all
+  // rows (row blocks of R for the softmax and P·V); the rest is gathered per row. Kbuf and Vbuf
+  // hold B converted rows for caches that are not float.
+  void run_positional(int g, int rows, const float* Q, float* O, float* Kbuf, float* Vbuf, float* S, float* m, float* l,
+                      const int* node, const float** krows, const float** vrows) const noexcept {
+    constexpr int B = attn_block;
+    constexpr int R = attn_rows;
+    const auto Dz = static_cast<std::size_t>(D);
+    int n = 0;  // keys gathered in the current block
+    auto add = [&](int slot) {
+      if constexpr (float_rows) {
+        krows[n] = kv.k_row(layer, slot, g);
+        vrows[n] = kv.v_row(layer, slot, g);
+      } else {
+        float* kr = Kbuf + static_cast<std::size_t>(n) * Dz;
+        float* vr = Vbuf + static_cast<std::size_t>(n) * Dz;
+        attn_load_row(kv.k_row(layer, slot, g), kr, D);
+        attn_load_row(kv.v_row(layer, slot, g), vr, D);
+        krows[n] = kr;
+        vrows[n] = vr;
+      }
+      ++n;
+    };
+    const int full = L / B;
+    for (int c = 0; c < full; ++c) {
+      n = 0;
+      for (int j = 0; j < B; ++j) add(c * B + j);
+      for (int rb = 0; rb < rows; rb += R) {
+        const int nr = std::min(R, rows - rb);
+        std::uint64_t vis[R] = {};
+        for (int r = 0; r < nr; ++r) {
+          vis[r] = ~std::uint64_t{0};
+          qk_direct(Q + static_cast<std::size_t>(rb + r) * Dz, krows, B, S + r * B);
+        }
+        float* Ob = O + static_cast<std::size_t>(rb) * Dz;
+        switch (nr) {
+          case 1: softmax_update<1>(S, vis, m + rb, l + rb, Ob); pv<1>(S, vrows, B, Ob); break;
+          case 2: softmax_update<2>(S, vis, m + rb, l + rb, Ob); pv<2>(S, vrows, B, Ob); break;
+          case 3: softmax_update<3>(S, vis, m + rb, l + rb, Ob); pv<3>(S, vrows, B, Ob); break;
+          default: softmax_update<R>(S, vis, m + rb, l + rb, Ob); pv<R>(S, vrows, B, Ob); break;
+        }
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const float* Qr = Q + static_cast<std::size_t>(r) * Dz;
+      float* Or = O + static_cast<std::size_t>(r) * Dz;
+      auto flush = [&] {
+        if (n == 0) return;
+        const std::uint64_t vis = n >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << n) - 1;
+        qk_direct(Qr, krows, n, S);
+        softmax_update<1>(S, &vis, m + r, l + r, Or);
+        pv<1>(S, vrows, n, Or);
+        n = 0;
+      };
+      n = 0;
+      for (int slot = full * B; slot < L; ++slot) add(slot);  // fewer than B
+      for (int j0 = 0; j0 < nq; j0 += 64) {
+        std::uint64_t b = bits(node[r], j0);
+        if (nq - j0 < 64) b &= (std::uint64_t{1} << (nq - j0)) - 1;
+        for (; b != 0; b &= b - 1) {
+          add(L + j0 + std::countr_zero(b));
+          if (n == B) flush();
+        }
+      }
+      flush();
+    }
+  }
+#endif
 
   // One key block for NR rows: scores, online softmax, weighted V.
   template <int NR>

@@ -201,8 +201,8 @@ TEST_CASE_TEMPLATE("few query rows per KV head (row blocks of 1, 2, 3 and a rema
 
 TEST_CASE("a query row gets the same bits whatever the other rows of its call") {
   // Causal rows [0, n) see the same keys for any chunk length >= n: computed alone in a short
-  // row block or inside a full block of 4, every row's arithmetic is the same. (A call with one
-  // row in all, n * G == 1, is left out: it may take another summation order.)
+  // row block or inside a full block of 4, every row's arithmetic is the same, a call with one
+  // row in all included.
   std::mt19937 rng(12);
   for (int D : {16, 20, 64}) {
     for (int G : {1, 2, 3}) {
@@ -214,7 +214,7 @@ TEST_CASE("a query row gets the same bits whatever the other rows of its call") 
       const std::vector<float>& q = p.q;
       std::vector<float> all(q.size());
       medusa::causal_attention(kv, 0, L, q, nmax, hq, all);
-      for (int n = G == 1 ? 2 : 1; n < nmax; ++n) {
+      for (int n = 1; n < nmax; ++n) {
         CAPTURE(n);
         const auto len = static_cast<std::size_t>(n * hq * D);
         std::vector<float> part(len);
@@ -224,6 +224,26 @@ TEST_CASE("a query row gets the same bits whatever the other rows of its call") 
     }
   }
 }
+
+// A separate NHD cache holding the first L slots of `kv`, then the tree rows of `path` in order:
+// the path run as its own causal sequence.
+struct path_cache {
+  std::vector<float> k, v;
+  medusa::kv_cache_view<float> view;
+  template <class View>
+  path_cache(const View& kv, int L, const std::vector<int>& path, int hkv, int D)
+      : k(static_cast<std::size_t>((L + static_cast<int>(path.size())) * hkv * D)), v(k.size()),
+        view(medusa::make_kv_view<float>(k, v, kv_extents{1, hkv, D}, L + static_cast<int>(path.size()), kv_layout::nhd)) {
+    for (int t = 0; t < L + static_cast<int>(path.size()); ++t) {
+      const int src = t < L ? t : L + path[static_cast<std::size_t>(t - L)];
+      for (int h = 0; h < hkv; ++h)
+        for (int d = 0; d < D; ++d) {
+          view.k(0, t, h, d) = kv.k(0, src, h, d);
+          view.v(0, t, h, d) = kv.v(0, src, h, d);
+        }
+    }
+  }
+};
 
 TEST_CASE("tree attention equals each root-to-node path run as its own causal sequence") {
   std::mt19937 rng(77);
@@ -248,24 +268,59 @@ TEST_CASE("tree attention equals each root-to-node path run as its own causal se
       for (int u = node; u >= 0; u = parents[static_cast<std::size_t>(u)]) path.push_back(u);
       std::reverse(path.begin(), path.end());
       const int m = static_cast<int>(path.size());
-      // a separate NHD cache holding the prefix then the path's rows in order
-      std::vector<float> pk(static_cast<std::size_t>((L + m) * hkv * D)), pv(pk.size());
-      const auto pkv = medusa::make_kv_view<float>(pk, pv, kv_extents{1, hkv, D}, L + m, kv_layout::nhd);
+      path_cache pc(kv, L, path, hkv, D);
+      const auto& pkv = pc.view;
       std::vector<float> pq(static_cast<std::size_t>(m * hq * D)), pout(pq.size());
-      for (int t = 0; t < L + m; ++t) {
-        const int src = t < L ? t : L + path[static_cast<std::size_t>(t - L)];
-        for (int h = 0; h < hkv; ++h)
-          for (int d = 0; d < D; ++d) {
-            pkv.k(0, t, h, d) = kv.k(0, src, h, d);
-            pkv.v(0, t, h, d) = kv.v(0, src, h, d);
-          }
-      }
       for (int t = 0; t < m; ++t)
         std::copy_n(q.begin() + path[static_cast<std::size_t>(t)] * hq * D, hq * D, pq.begin() + t * hq * D);
       medusa::causal_attention(pkv, 0, L, pq, m, hq, pout);
       for (int x = 0; x < hq * D; ++x)
         REQUIRE(pout[static_cast<std::size_t>((m - 1) * hq * D + x)] ==
                 doctest::Approx(out[static_cast<std::size_t>(node * hq * D + x)]).epsilon(1e-5));
+    }
+  }
+}
+
+TEST_CASE("a tree node gets the same bits as its row decoded alone once its ancestors are committed") {
+  // What keeps greedy Medusa identical to plain decoding: the node at depth k of a tree over a
+  // prefix of L slots, and the same query decoded alone (one row, causal) after the prefix and
+  // its k ancestors were committed, see the same keys at the same positions. With AVX-512 (head
+  // dimension a multiple of 16) both take them in the same 64-key position blocks: same bits.
+  std::mt19937 rng(91);
+  for (int trial = 0; trial < 8; ++trial) {
+    const int D = trial % 4 == 3 ? 24 : 64, hkv = 2, G = trial % 2 + 1, hq = hkv * G;
+    const int L = std::uniform_int_distribution<int>(0, 140)(rng);
+    const int n = std::uniform_int_distribution<int>(2, 90)(rng);
+    CAPTURE(D);
+    CAPTURE(L);
+    CAPTURE(n);
+    const auto parents = random_parents(rng, n);
+    const int wpr = (n + 31) / 32;
+    const auto words = packed_mask(parents, wpr);
+    const int cap = L + n;
+    std::vector<float> k(static_cast<std::size_t>(cap * hkv * D)), v(k.size());
+    fill_random(k, rng);
+    fill_random(v, rng);
+    const auto kv = medusa::make_kv_view<float>(k, v, kv_extents{1, hkv, D}, cap, kv_layout::nhd);
+    std::vector<float> q(static_cast<std::size_t>(n * hq * D)), out(q.size());
+    fill_random(q, rng);
+    medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{words, wpr}, out);
+    for (int node = 0; node < n; ++node) {
+      std::vector<int> path;
+      for (int u = node; u >= 0; u = parents[static_cast<std::size_t>(u)]) path.push_back(u);
+      std::reverse(path.begin(), path.end());
+      const int m = static_cast<int>(path.size());
+      path_cache pc(kv, L, path, hkv, D);
+      const auto& pkv = pc.view;
+      std::vector<float> alone(static_cast<std::size_t>(hq * D));
+      medusa::causal_attention(pkv, 0, L + m - 1, std::span<const float>(q).subspan(static_cast<std::size_t>(node * hq * D), alone.size()), 1,
+                               hq, alone);
+      const auto* tree_row = out.data() + static_cast<std::size_t>(node * hq * D);
+      if (MEDUSA_ISA_AVX512 && D % 16 == 0) {
+        REQUIRE(std::equal(alone.begin(), alone.end(), tree_row));
+      } else {
+        for (int x = 0; x < hq * D; ++x) REQUIRE(alone[static_cast<std::size_t>(x)] == doctest::Approx(tree_row[x]).epsilon(1e-5));
+      }
     }
   }
 }
