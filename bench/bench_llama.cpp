@@ -7,7 +7,7 @@
 //  * BM_batch_step: one ragged pass of the serving engine (batch_engine, paged KV) over B requests
 //    of N rows each (N = 1: plain decoding, N > 1: a tree), every request at a context of 128, and
 //    its cost relative to B = 1, N = 1: what batching and trees cost together.
-// Both with float32 (weights:0) and bf16 (weights:1) packed weights; backend 2 = OpenBLAS for T > 1.
+// With float32 (weights:0), bf16 (1), q8_0 (3) and q4_0 (4) packed weights; backend 2 = OpenBLAS for T > 1.
 // Set MEDUSA_SHARED_DIR to point elsewhere; skipped when the model is absent.
 #include <medusa_llama/llama.hpp>
 
@@ -109,14 +109,16 @@ void BM_decode(benchmark::State& state) {
   const double per_token = seconds_per_iteration(state, t0);
   const double bw = weight_bandwidth(*m, 2);
   // roofline time (weight bytes ÷ bandwidth) ÷ measured time per token; the goal is ≥ 0.6
-  state.counters["roofline_fraction"] = static_cast<double>(m->weight_bytes()) / bw / per_token;
-  state.counters["weight_MB"] = static_cast<double>(m->weight_bytes()) / 1e6;
+  const auto bytes = static_cast<double>(e.weight_bytes());  // packed: a quarter of float32 for q8_0
+  state.counters["roofline_fraction"] = bytes / bw / per_token;
+  state.counters["weight_MB"] = bytes / 1e6;
   state.counters["bandwidth_GBps"] = bw / 1e9;
   // seconds per token at the roofline; the fraction is roofline time ÷ measured time per token
-  state.counters["roofline_ms"] = 1e3 * static_cast<double>(m->weight_bytes()) / bw;
+  state.counters["roofline_ms"] = 1e3 * bytes / bw;
   state.counters["tok_per_s"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
 }
-BENCHMARK(BM_decode)->ArgsProduct({{1, 2}, {0, 1}})->ArgNames({"threads", "weights"})->Unit(benchmark::kMillisecond)->UseRealTime();
+// weights: 0 f32, 1 bf16, 3 q8_0, 4 q4_0 (medusa_llama::weight_format)
+BENCHMARK(BM_decode)->ArgsProduct({{1, 2}, {0, 1, 3, 4}})->ArgNames({"threads", "weights"})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // A random tree of N nodes (parents uniformly among earlier nodes, so depth grows like log N)
 // packed as the engine's mask rows.
@@ -181,7 +183,7 @@ void BM_tree_step(benchmark::State& state) {
   state.counters["tok_per_s"] = benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_tree_step)
-    ->ArgsProduct({{1, 4, 6, 8, 16, 32, 64}, {static_cast<long>(gemm_backend::automatic)}, {0, 1}})
+    ->ArgsProduct({{1, 4, 6, 8, 16, 32, 64}, {static_cast<long>(gemm_backend::automatic)}, {0, 1, 3, 4}})
     ->ArgsProduct({{4, 16, 64}, {static_cast<long>(gemm_backend::blas)}, {0}})
     ->ArgNames({"N", "backend", "weights"})
     ->Unit(benchmark::kMillisecond)

@@ -54,9 +54,9 @@ inline std::string cpu_name() {
 }
 
 //! What a step-cost curve depends on, as one line: CPU, model file (path, size, mtime), threads,
-//! weight formats, heads and the sizes measured.
+//! weight formats, heads, the sizes measured and the context they attend to.
 inline std::string step_cost_key(const std::string& model, int threads, const std::string& weights,
-                                 const std::string& head_weights, int heads, const std::vector<int>& rows) {
+                                 const std::string& head_weights, int heads, const std::vector<int>& rows, int context) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path canonical = fs::weakly_canonical(model, ec);
@@ -65,7 +65,7 @@ inline std::string step_cost_key(const std::string& model, int threads, const st
   const auto mtime = fs::last_write_time(file, ec).time_since_epoch().count();
   std::string key = "cpu=" + cpu_name() + " model=" + canonical.string() + ":" + std::to_string(ec ? 0 : size) + ":" +
                     std::to_string(mtime) + " threads=" + std::to_string(threads) + " weights=" + weights +
-                    " heads=" + std::to_string(heads) + "x" + head_weights + " rows=";
+                    " heads=" + std::to_string(heads) + "x" + head_weights + " context=" + std::to_string(context) + " rows=";
   for (std::size_t i = 0; i < rows.size(); ++i) {
     if (i) key += ',';
     key += std::to_string(rows[i]);

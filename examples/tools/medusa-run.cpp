@@ -7,7 +7,7 @@
 //              [--cost-cache DIR|none] [--calibrate-out F] [--lookup N] [--lookup-ngram MIN:MAX] [--dynamic]
 //              [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
-//              [--mode vanilla|medusa|both] [--weights f32|bf16] [--head-weights int8|bf16|f32]
+//              [--mode vanilla|medusa|both] [--weights f32|bf16|int8|q4] [--classifier-weights F] [--head-weights int8|q8_0|q4|bf16|f32]
 //              [--threads N] [--json]
 //   medusa-run ... --prompts-file F [--batch N]     many prompts, N at a time (continuous batching)
 #include <medusa/decoder/calibrate.hpp>
@@ -62,7 +62,8 @@ struct run_args {
   std::uint64_t seed = 0;
   int max_new_tokens = 256;
   int threads = 0;
-  medusa_llama::weight_format weights = medusa_llama::weight_format::f32;
+  std::optional<medusa_llama::weight_format> weights;  // unset (auto): what the model file stores
+  std::optional<medusa_llama::weight_format> classifier_weights;  // unset: the engine's rule
   medusa_llama::weight_format head_weights = medusa_llama::weight_format::int8;
   bool json = false;
 };
@@ -237,8 +238,10 @@ auto_inputs prepare_auto(const run_args& a) {
 // trained heads the tree `optimize_tree` picks from their calibration and this machine's step
 // costs. Heads without a calibration get a chain too, with a warning saying so.
 template <class Engine>
+// `context`: the mean context of the run's steps (prompt + half the new tokens): attention grows
+// with it, so a step's cost relative to a plain one is measured there.
 tree_choice choose_auto_tree(const run_args& a, const auto_inputs& in, Engine& eng, const medusa::head_weights& head_w,
-                             int batch, int max_rows) {
+                             int batch, int max_rows, int context) {
   const int heads = static_cast<int>(head_w.num_heads());
   tree_choice c;
   if (!in.calibration) {
@@ -261,16 +264,18 @@ tree_choice choose_auto_tree(const run_args& a, const auto_inputs& in, Engine& e
     std::vector<int> rows;
     for (int n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256})
       if (n == 1 || (n <= max_rows && n <= std::max(2, batch * a.max_nodes))) rows.push_back(n);
-    const std::string key = medusa_tools::step_cost_key(a.model, eng.threads(), a.weights == medusa_llama::weight_format::bf16 ? "bf16" : "f32",
-                                                        a.head_weights == medusa_llama::weight_format::int8   ? "int8"
-                                                        : a.head_weights == medusa_llama::weight_format::bf16 ? "bf16"
-                                                                                                                : "f32",
-                                                        heads, rows);
+    const auto& eo = eng.options();
+    std::string formats = medusa_llama::to_string(eo.weights);
+    if (eo.classifier_weights) formats += std::string("/") + medusa_llama::to_string(*eo.classifier_weights);
+    // Contexts in steps of 64 share a cached curve; the measurement clamps it to the cache.
+    context = std::max(64, (context + 63) / 64 * 64);
+    const std::string key = medusa_tools::step_cost_key(a.model, eng.threads(), formats, medusa_llama::to_string(a.head_weights), heads,
+                                                        rows, context);
     curve = medusa_tools::cached_step_cost(
         medusa_tools::cost_cache_dir(a.cost_cache), key,
         [&] {
           auto all = pack_heads(eng, head_w, a, heads);
-          return medusa::measure_step_cost(eng, all, {.rows = rows});
+          return medusa::measure_step_cost(eng, all, {.rows = rows, .context = context});
         },
         src);
   }
@@ -431,6 +436,33 @@ std::string predicted_note(const nlohmann::json& info) {
   return fmt::format(" (predicted {:.2f}x)", info["predicted_speedup"].get<double>());
 }
 
+// The engine's weight formats: as asked, else what the model file stores (GGUF Q8_0 and Q4_0
+// matrices pack without loss into q8_0 and q4_0, BF16 into bf16; F16 and F32 stay float32).
+medusa_llama::weight_format native_format(medusa_llama::stored_type t) {
+  using st = medusa_llama::stored_type;
+  using wf = medusa_llama::weight_format;
+  switch (t) {
+    case st::bf16: return wf::bf16;
+    case st::q8_0: return wf::q8_0;
+    case st::q4_0: return wf::q4_0;
+    default: return wf::f32;
+  }
+}
+
+template <class Options>
+nlohmann::json weights_json(const Options& eo) {
+  const auto cls = eo.classifier_weights ? *eo.classifier_weights
+                   : eo.weights == medusa_llama::weight_format::q4_0 ? medusa_llama::weight_format::q8_0 : eo.weights;
+  return {{"blocks", medusa_llama::to_string(eo.weights)}, {"classifier", medusa_llama::to_string(cls)}};
+}
+
+template <class Options>
+void set_weight_formats(Options& eo, const run_args& a, const medusa_llama::model& m) {
+  eo.weights = a.weights ? *a.weights : native_format(m.stored());
+  if (a.classifier_weights) eo.classifier_weights = *a.classifier_weights;
+  else if (!a.weights) eo.classifier_weights = native_format(m.classifier_stored());
+}
+
 // --prompts-file: every prompt decoded plainly and/or with Medusa, `--batch` at a time, on the
 // serving engine (one ragged forward per step over a paged KV pool).
 template <class Policy>
@@ -442,10 +474,13 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   eo.threads = a.threads;
   eo.max_requests = *a.batch;
   eo.max_tokens = std::max(256, *a.batch * ((auto_tree ? a.max_nodes : given_tree ? given_tree->num_nodes() : 1) + a.lookup));
-  eo.weights = a.weights;
+  set_weight_formats(eo, a, lm.weights);
   medusa_llama::batch_engine eng(std::move(lm.weights), eo);
   tree_choice choice;
-  if (auto_tree) choice = choose_auto_tree(a, ain, eng, head_w, *a.batch, eo.max_tokens);
+  std::size_t prompt_sum = 0;
+  for (const auto& p : prompts) prompt_sum += p.size();
+  const int mean_context = static_cast<int>(prompt_sum / std::max<std::size_t>(1, prompts.size())) + a.max_new_tokens / 2;
+  if (auto_tree) choice = choose_auto_tree(a, ain, eng, head_w, *a.batch, eo.max_tokens, mean_context);
   else if (given_tree) choice = {given_tree, describe(*given_tree, a.tree)};
   const std::optional<medusa::tree>& tree = choice.tree;
   medusa::decode_options dopt;
@@ -494,7 +529,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
         std::printf("%s\n", json_line(j).c_str());
       }
     nlohmann::json summary = {{"batch", *a.batch}, {"requests", prompts.size()}, {"threads", eng.threads()},
-                              {"max_new_tokens", a.max_new_tokens}};
+                              {"max_new_tokens", a.max_new_tokens}, {"weights", weights_json(eng.options())}};
     for (const auto& r : reports) summary[r.mode] = to_json(r);
     if (tree) {
       summary["tree"] = choice.info;
@@ -586,11 +621,11 @@ int run(run_args a) {
   eo.threads = a.threads;
   eo.max_batch = std::max(64, (auto_tree ? a.max_nodes : want_medusa ? tree->num_nodes() : 1) + a.lookup);
   eo.backend = medusa_llama::gemm_backend::builtin;
-  eo.weights = a.weights;
+  set_weight_formats(eo, a, lm.weights);
   medusa_llama::engine model(std::move(lm.weights), eo);
   tree_choice choice;
   if (auto_tree) {
-    choice = choose_auto_tree(a, ain, model, head_w, 1, eo.max_batch);
+    choice = choose_auto_tree(a, ain, model, head_w, 1, eo.max_batch, static_cast<int>(prompt.size()) + a.max_new_tokens / 2);
     tree = choice.tree;
   } else if (want_medusa) {
     choice = {tree, describe(*tree, a.tree)};
@@ -637,7 +672,11 @@ int run(run_args a) {
         std::printf("\n");
         std::fflush(stdout);  // the summary goes to stderr after this
       }
-      if (a.json) std::printf("%s\n", json_line(to_json(r)).c_str());
+      if (a.json) {
+        auto j = to_json(r);
+        j["weights"] = weights_json(model.options());
+        std::printf("%s\n", json_line(j).c_str());
+      }
       reports.push_back(std::move(r));
     };
     if (a.mode != run_mode::medusa) one("vanilla");
@@ -675,8 +714,8 @@ int run(run_args a) {
 int main(int argc, char** argv) {
   CLI::App app{"Generate text with a Llama model on the CPU, plainly and with Medusa heads", "medusa-run"};
   run_args a;
-  app.add_option("--model", a.model, "llama2.c .bin file or Hugging Face model directory")->required();
-  app.add_option("--tokenizer", a.tokenizer, "tokenizer (default: tokenizer.bin beside a .bin model, tokenizer.json in a directory)");
+  app.add_option("--model", a.model, "llama2.c .bin file, GGUF file or Hugging Face model directory")->required();
+  app.add_option("--tokenizer", a.tokenizer, "tokenizer (default: tokenizer.bin beside a .bin model, tokenizer.json in a directory, a GGUF file's own)");
   app.add_option("--heads", a.heads, "heads file or directory (medusa-train output), or random:K[:SEED]");
   app.add_option("--tree", a.tree,
                  "auto (the best tree for the heads' calibration.json and this machine), a preset name, tree text "
@@ -724,14 +763,22 @@ int main(int argc, char** argv) {
       ->default_str("medusa");
   app.add_option("--threads", a.threads, "threads (0 = all cores)")->capture_default_str();
   using medusa_llama::weight_format;
-  const std::map<std::string, weight_format> engine_formats{{"f32", weight_format::f32}, {"bf16", weight_format::bf16}};
-  const std::map<std::string, weight_format> head_formats{
-      {"f32", weight_format::f32}, {"bf16", weight_format::bf16}, {"int8", weight_format::int8}};
-  app.add_option("--weights", a.weights, "engine weight format: f32 | bf16 (half the bytes, f32 arithmetic)")
+  const std::map<std::string, weight_format> engine_formats{{"f32", weight_format::f32},   {"bf16", weight_format::bf16},
+                                                           {"int8", weight_format::q8_0}, {"q8_0", weight_format::q8_0},
+                                                           {"q4", weight_format::q4_0},   {"q4_0", weight_format::q4_0}};
+  std::map<std::string, weight_format> head_formats = engine_formats;
+  head_formats["int8"] = weight_format::int8;
+  app.add_option("--weights", a.weights,
+                 "engine weight format: f32 | bf16 (half the bytes, f32 arithmetic) | int8 (= q8_0: blocks of 32 with one "
+                 "scale) | q4 (= q4_0); default: the model file's own (GGUF Q8_0/Q4_0/BF16 as such, else f32)")
       ->transform(CLI::CheckedTransformer(engine_formats))
-      ->default_str("f32");
+      ->default_str("auto");
+  app.add_option("--classifier-weights", a.classifier_weights,
+                 "classifier weight format (same names); default: --weights, q8_0 under q4, the file's own without --weights")
+      ->transform(CLI::CheckedTransformer(engine_formats));
   app.add_option("--head-weights", a.head_weights,
-                 "Medusa head weight format: int8 | bf16 | f32 (drafts only: the output does not depend on it)")
+                 "Medusa head weight format: int8 (per column) | q8_0 | q4 | bf16 | f32 (drafts only: the output does not "
+                 "depend on it)")
       ->transform(CLI::CheckedTransformer(head_formats))
       ->default_str("int8");
   app.add_flag("--json", a.json, "print one JSON line per run instead of streaming text");

@@ -57,8 +57,8 @@ int main(int argc, char** argv) {
   CLI::App app{"Train Medusa heads on the CPU by self-distillation (Medusa-1: frozen backbone and lm_head)", "medusa-train"};
   medusa_train::run_options o;
   std::string cache_dtype = "bf16";
-  app.add_option("--model", o.model, "base model: llama2.c model.bin or a Hugging Face directory")->required();
-  app.add_option("--tokenizer", o.tokenizer, "tokenizer (default: tokenizer.json / tokenizer.bin beside the model)");
+  app.add_option("--model", o.model, "base model: llama2.c model.bin, a Hugging Face directory or a .gguf file")->required();
+  app.add_option("--tokenizer", o.tokenizer, "tokenizer (default: a GGUF model's own, else tokenizer.json / tokenizer.bin beside the model)");
   app.add_option("--dummy-prefix", o.dummy_prefix,
                  "llama2.c tokenizers: prepend a space to prompts (true/false; default: as the SentencePiece "
                  "model beside tokenizer.bin says, else run.c's behaviour)");

@@ -44,7 +44,8 @@ struct batch_engine::impl {
   std::vector<char> seen;
 
   impl(model m, const batch_engine_options& o)
-      : stack(std::move(m), {.max_rows = o.max_tokens, .threads = o.threads, .weights = o.weights}), opt(o) {
+      : stack(std::move(m), {.max_rows = o.max_tokens, .threads = o.threads, .weights = o.weights,
+                              .classifier_weights = o.classifier_weights}), opt(o) {
     opt.threads = stack.pool().size();
     const model_config& c = stack.config();
     ext = {c.n_layers, c.n_kv_heads, c.head_dim()};
@@ -212,7 +213,7 @@ batch_engine::batch_engine(model m, batch_engine_options o) {
   if (floats > 0x1p36)
     bad("a pool of " + std::to_string(o.num_pages) + " pages of " + std::to_string(o.page_size) +
         " slots needs more than 2^36 floats for K and V");
-  detail::check_stack_options({.threads = o.threads, .weights = o.weights});
+  detail::check_stack_options({.threads = o.threads, .weights = o.weights, .classifier_weights = o.classifier_weights});
   p_ = std::make_unique<impl>(std::move(m), o);
 }
 

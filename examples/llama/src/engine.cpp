@@ -26,7 +26,8 @@ struct engine::impl {
 
   impl(model m, const engine_options& o)
       : stack(std::move(m), {.max_rows = o.max_batch, .threads = o.threads, .backend = o.backend,
-                             .blas_min_batch = o.blas_min_batch, .weights = o.weights}),
+                             .blas_min_batch = o.blas_min_batch, .weights = o.weights,
+                             .classifier_weights = o.classifier_weights}),
         opt(o) {
     opt.threads = stack.pool().size();
   }
@@ -82,7 +83,8 @@ engine::engine(model m, engine_options o) {
   if (o.capacity == 0) o.capacity = c.seq_len;
   if (o.capacity < 1 || o.capacity > (1 << 24)) bad("capacity " + std::to_string(o.capacity) + " is outside [1, 2^24]");
   if (o.max_batch < 1 || o.max_batch > 4096) bad("max_batch " + std::to_string(o.max_batch) + " is outside [1, 4096]");
-  detail::check_stack_options({.threads = o.threads, .blas_min_batch = o.blas_min_batch, .weights = o.weights});
+  detail::check_stack_options({.threads = o.threads, .blas_min_batch = o.blas_min_batch, .weights = o.weights,
+                               .classifier_weights = o.classifier_weights});
   p_ = std::make_unique<impl>(std::move(m), o);
   auto& s = *p_;
   const auto& cc = s.config();
@@ -100,6 +102,7 @@ engine::~engine() = default;
 
 const model_config& engine::config() const noexcept { return p_->config(); }
 const model& engine::weights() const noexcept { return p_->stack.weights(); }
+std::size_t engine::weight_bytes() const noexcept { return p_->stack.packed_bytes(); }
 const engine_options& engine::options() const noexcept { return p_->opt; }
 int engine::vocab_size() const noexcept { return p_->config().vocab_size; }
 int engine::hidden_size() const noexcept { return p_->config().dim; }

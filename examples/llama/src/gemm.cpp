@@ -6,8 +6,10 @@
 // FMA latency. Each panel stream is prefetched a few cache lines ahead: with 8 or more tokens the
 // FMAs take as long as the loads, and the hardware prefetcher alone leaves the stream stalling.
 #include "gemm.hpp"
+#include "gemm_tile.hpp"
 
 #include <medusa/detail/exp2.hpp>
+#include <medusa/half.hpp>
 #include <medusa/heads.hpp>
 
 #include <medusa_llama/thread_pool.hpp>
@@ -48,15 +50,44 @@ void packed_matrix::allocate(int panels) {
   panels_ = panels;
   panel_stride_ = fmt_ == weight_format::bf16   ? bf16_stride(in_) * kPanel
                   : fmt_ == weight_format::int8 ? int8_stride(in_) * kPanel
+                  : fmt_ == weight_format::q8_0 ? sz(blocks()) * 512
+                  : fmt_ == weight_format::q4_0 ? sz(blocks()) * 256
                                                 : sz(in_) * kPanel;
   const std::size_t elem = fmt_ == weight_format::f32 ? sizeof(float) : fmt_ == weight_format::bf16 ? sizeof(std::uint16_t) : 1;
   if (fmt_ == weight_format::int8) {
     scales_.assign(sz(panels) * kPanel, 0.0f);
     colsums_.assign(sz(panels) * kPanel, 0);
   }
+  if (blocked()) block_scales_.assign(sz(panels) * sz(blocks()) * kPanel, 0);
   bytes_ = sz(panels) * panel_stride_ * elem;
   data_.reset(new (std::align_val_t{64}) std::byte[std::max<std::size_t>(bytes_, 64)]);
-  std::memset(data_.get(), 0, bytes_);
+  // Zero weights: q = 0 is stored as 128 (q8_0) or 8 (q4_0: 0x88 holds two).
+  std::memset(data_.get(), fmt_ == weight_format::q8_0 ? 0x80 : fmt_ == weight_format::q4_0 ? 0x88 : 0, bytes_);
+}
+
+std::uint16_t quantize_block_q8_0(const float* w, int n, std::int8_t (&q)[32]) noexcept {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::abs(w[i]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<std::int8_t>(i < n ? std::round(w[i] * id) : 0.0f);
+  return medusa::detail::float_to_half_bits(d);
+}
+
+std::uint16_t quantize_block_q4_0(const float* w, int n, std::int8_t (&q)[32]) noexcept {
+  float amax = 0.0f, max = 0.0f;  // the weight of largest magnitude, its sign kept (first on ties)
+  for (int i = 0; i < n; ++i)
+    if (amax < std::abs(w[i])) {
+      amax = std::abs(w[i]);
+      max = w[i];
+    }
+  const float d = max / -8.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int i = 0; i < 32; ++i) {
+    const float x = i < n ? w[i] : 0.0f;
+    q[i] = static_cast<std::int8_t>(std::min(15, static_cast<int>(static_cast<std::int8_t>(x * id + 8.5f))) - 8);
+  }
+  return medusa::detail::float_to_half_bits(d);
 }
 
 // Rows [first_row, first_row + n_rows) of W into panel `dst_panel` (n_rows ≤ 16; the rest stay 0).
@@ -67,6 +98,28 @@ void packed_matrix::pack_panel(int dst_panel, const float* W, int first_row, int
     for (int j = 0; j < n_rows; ++j) {
       const float* w = W + sz(first_row + j) * K;
       for (std::size_t k = 0; k < K; ++k) P[k * kPanel + sz(j)] = w[k];
+    }
+  } else if (blocked()) {
+    std::uint8_t* P = static_cast<std::uint8_t*>(static_cast<void*>(data_.get())) + sz(dst_panel) * panel_stride_;
+    std::uint16_t* S = block_scales_.data() + sz(dst_panel) * sz(blocks()) * kPanel;
+    const bool q4 = fmt_ == weight_format::q4_0;
+    for (int j = 0; j < n_rows; ++j) {
+      const float* w = W + sz(first_row + j) * K;
+      for (int b = 0; b < blocks(); ++b) {
+        std::int8_t q[32];
+        const int k0 = 32 * b, n = std::min(32, in_ - k0);
+        S[sz(b) * kPanel + sz(j)] = q4 ? quantize_block_q4_0(w + k0, n, q) : quantize_block_q8_0(w + k0, n, q);
+        for (int kk = 0; kk < 32; ++kk) {
+          const std::size_t m = sz(j) * 4 + sz(kk % 4);  // byte within a k-quad's 64
+          if (q4) {
+            std::uint8_t& byte = P[sz(b) * 256 + sz(kk / 8) * 64 + m];
+            const auto u = static_cast<std::uint8_t>(q[kk] + 8);
+            byte = (kk / 4) % 2 == 0 ? static_cast<std::uint8_t>((byte & 0xf0) | u) : static_cast<std::uint8_t>((byte & 0x0f) | (u << 4));
+          } else {
+            P[sz(b) * 512 + sz(kk / 4) * 64 + m] = static_cast<std::uint8_t>(q[kk] + 128);
+          }
+        }
+      }
     }
   } else if (fmt_ == weight_format::int8) {
     std::int8_t* P = static_cast<std::int8_t*>(static_cast<void*>(data_.get())) + sz(dst_panel) * panel_stride_;
@@ -117,38 +170,6 @@ packed_matrix packed_matrix::swiglu_pair(const float* gate, const float* up, int
 
 #if defined(__AVX512F__)
 namespace {
-
-inline __mmask16 col_mask(int n) { return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u); }
-
-// Writes the MR × NB accumulators of one micro-tile. `cols[b]` = valid columns of panel b.
-template <int MR, int NB>
-inline void write_tile(__m512 (&acc)[MR][NB], float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
-  if constexpr (NB == 2) {
-    if (op == epilogue::swiglu) {
-      const __mmask16 m = col_mask(cols[0]);
-      const __m512 one = _mm512_set1_ps(1.0f);
-#pragma GCC unroll 8
-      for (int t = 0; t < MR; ++t) {
-        const __m512 g = acc[t][0];
-        // silu(g) = g / (1 + e^-g), e^-g = 2^(-g·log2 e)
-        const __m512 e = medusa::detail::exp2_approx(_mm512_mul_ps(g, _mm512_set1_ps(-medusa::detail::log2e)));
-        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
-        _mm512_mask_storeu_ps(Y + sz(t) * ldy, m, _mm512_mul_ps(s, acc[t][1]));
-      }
-      return;
-    }
-  }
-#pragma GCC unroll 8
-  for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 3
-    for (int b = 0; b < NB; ++b) {
-      float* y = Y + sz(t) * ldy + sz(b) * kPanel;
-      const __mmask16 m = col_mask(cols[b]);
-      __m512 v = acc[t][b];
-      if (op == epilogue::add) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, y));
-      _mm512_mask_storeu_ps(y, m, v);
-    }
-}
 
 // One micro-tile, float32 weights: MR tokens × NB panels, KS interleaved accumulator sets over k.
 template <int MR, int NB, int KS>
@@ -483,6 +504,10 @@ float int8_column(const packed_matrix& W, const quantized_rows& xq, int p, int j
 }  // namespace
 
 void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op) {
+  if (W.blocked()) {
+    gemm_blocks(W, in, Y, ldy, g0, g1, op);
+    return;
+  }
   const bool i8 = W.format() == weight_format::int8;
   quantized_rows xq{};
   if (i8) xq = quantize_rows(in, W.in());
@@ -548,6 +573,28 @@ void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::si
 }
 
 void run_gemm_jobs(thread_pool& pool, std::span<const gemm_job> jobs) {
+  // Block formats: each distinct input quantized once here, not in every chunk of every GEMM.
+  thread_local std::vector<block_rows> quantized;
+  thread_local std::vector<gemm_job> with_quantized;
+  if (std::any_of(jobs.begin(), jobs.end(), [](const gemm_job& j) { return j.W->blocked() && j.in.xq == nullptr; })) {
+    with_quantized.assign(jobs.begin(), jobs.end());
+    if (quantized.size() < jobs.size()) quantized.resize(jobs.size());  // before taking pointers
+    std::size_t used = 0;
+    for (std::size_t i = 0; i < with_quantized.size(); ++i) {
+      gemm_input& in = with_quantized[i].in;
+      if (!with_quantized[i].W->blocked() || in.xq != nullptr) continue;
+      const int K = with_quantized[i].W->in();
+      for (std::size_t j = 0; j < i && in.xq == nullptr; ++j) {
+        const gemm_job& o = with_quantized[j];
+        if (o.W->blocked() && o.in.x == in.x && o.in.ldx == in.ldx && o.in.T == in.T && o.W->in() == K) in.xq = o.in.xq;
+      }
+      if (in.xq == nullptr) {
+        quantize_blocks(in, K, quantized[used]);
+        in.xq = &quantized[used++];
+      }
+    }
+    jobs = with_quantized;
+  }
   int total = 0;
   for (const auto& j : jobs) total += j.W->groups();
   const int n = std::max(1, std::min(total, pool.size() == 1 ? 1 : 4 * pool.size()));

@@ -12,6 +12,15 @@
 //    of each row are quantized the same way (x ≈ q_x · s_x) and the products summed exactly in
 //    int32 (AVX512-VNNI `vpdpbusd`: 4 k × 16 columns per instruction, activations offset by 128
 //    to unsigned, the offset removed with the column sums).
+//  * q8_0: [p][b][k%32/4][j][k%4] uint8 = q + 128, blocks b of 32 k (K padded to 32 with q = 0),
+//    512 bytes per block; the block's binary16 scales d (w ≈ d · q) in `block_scales()`
+//    [p][b][j]. GGUF Q8_0's numbers in the kernel's order.
+//  * q4_0: [p][b][i][j][k%4] uint8, 4 × 64 bytes per block: the byte holds q of k-quad 2i in
+//    its low nibble and of k-quad 2i + 1 in its high one (q in 0..15, w ≈ d · (q − 8)); one
+//    512-bit load and two masks give two k-quads. Scales as q8_0. GGUF Q4_0's numbers.
+//    Both block formats take activations quantized per row and block (int8, float scale) and
+//    sum Σ (q_w + offset) · q_x exactly in int32 per block with vpdpbusd, removing the offset
+//    with the activations' block sums (kernels in gemm_blocks.cpp).
 // Rows beyond `rows` in the last panel are zero. A fused SwiGLU matrix interleaves the panels of w1
 // and w3 (panel 2p = w1 panel p, 2p + 1 = w3 panel p).
 #pragma once
@@ -45,7 +54,19 @@ class packed_matrix {
   [[nodiscard]] weight_format format() const noexcept { return fmt_; }
   //! Panels per unit of work: 3 for float32 (48 columns: 24 accumulators at 8 tokens), 2 for bf16
   //! (its widened weights need the registers) and for a SwiGLU pair (16 columns of gate and up).
-  [[nodiscard]] int group_panels() const noexcept { return pair_ || fmt_ == weight_format::bf16 ? 2 : 3; }
+  [[nodiscard]] int group_panels() const noexcept {
+    return pair_ || fmt_ == weight_format::bf16 || blocked() ? 2 : 3;
+  }
+  //! q8_0 or q4_0: blocks of 32 weights along K, each with its own scale.
+  [[nodiscard]] bool blocked() const noexcept { return fmt_ == weight_format::q8_0 || fmt_ == weight_format::q4_0; }
+  //! Blocks of 32 along K (block formats).
+  [[nodiscard]] int blocks() const noexcept { return (in_ + 31) / 32; }
+  //! binary16 scale of every (panel, block, column) (block formats; [p][b][16]).
+  [[nodiscard]] const std::uint16_t* block_scales() const noexcept { return block_scales_.data(); }
+  //! Bytes of packed weights per panel (block formats).
+  [[nodiscard]] std::size_t panel_bytes() const noexcept { return panel_stride_; }
+  //! The packed bytes (block formats).
+  [[nodiscard]] const std::uint8_t* u8() const noexcept { return static_cast<const std::uint8_t*>(static_cast<const void*>(data_.get())); }
   //! Scale of each output column (int8 only; `panels() × 16` floats, 0 beyond `rows`).
   [[nodiscard]] const float* scales() const noexcept { return scales_.data(); }
   //! 128 · Σ_k q of each output column (int8 only).
@@ -54,6 +75,10 @@ class packed_matrix {
   [[nodiscard]] int groups() const noexcept { return (panels_ + group_panels() - 1) / group_panels(); }
   //! Bytes of packed weights.
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  //! Bytes of the scales and sums beside them (int8, q8_0, q4_0).
+  [[nodiscard]] std::size_t block_bytes_extra() const noexcept {
+    return scales_.size() * sizeof(float) + colsums_.size() * sizeof(std::int32_t) + block_scales_.size() * sizeof(std::uint16_t);
+  }
   //! Elements (float or bf16) per panel.
   [[nodiscard]] std::size_t panel_stride() const noexcept { return panel_stride_; }
   [[nodiscard]] const float* f32() const noexcept { return static_cast<const float*>(static_cast<const void*>(data_.get())); }
@@ -74,15 +99,41 @@ class packed_matrix {
   std::unique_ptr<std::byte[], free_aligned> data_;
   std::vector<float> scales_;         // int8: per output column
   std::vector<std::int32_t> colsums_;  // int8: 128 · Σ_k q per output column
+  std::vector<std::uint16_t> block_scales_;  // q8_0, q4_0: [p][b][16] binary16
 };
 
+//! GGUF's reference quantizers for one block of 32 weights (fewer: the rest taken as 0). Return
+//! the binary16 scale; `q` gets the signed values (q8_0: −127..127; q4_0: −8..7, w ≈ d · q).
+std::uint16_t quantize_block_q8_0(const float* w, int n, std::int8_t (&q)[32]) noexcept;
+std::uint16_t quantize_block_q4_0(const float* w, int n, std::int8_t (&q)[32]) noexcept;
+
+struct block_rows;
+
 //! The activations of one GEMM: T float rows X[t*ldx + k] (float32 for both weight formats: bf16
-//! weights are widened exactly in registers, so only the weights are rounded).
+//! weights are widened exactly in registers, so only the weights are rounded). For the block
+//! formats `xq` may hold them already quantized (`quantize_blocks`): several GEMMs of one input
+//! then quantize it once.
 struct gemm_input {
   const float* x = nullptr;
   std::size_t ldx = 0;
   int T = 0;
+  const block_rows* xq = nullptr;
 };
+
+//! Activation rows quantized per block of 32 for the block formats: int8 values (`ld` bytes a row,
+//! zero padding), and per (row, block) the float scale and Σ q. A row holding a non-finite value
+//! gets NaN scales, so its outputs are NaN.
+struct block_rows {
+  std::vector<std::int8_t> q;
+  std::vector<float> scale;      // [t][blocks]
+  std::vector<std::int32_t> sum;  // [t][blocks]
+  std::size_t ld = 0;
+  int blocks = 0;
+  int T = 0;
+};
+
+//! Quantizes the `in.T` rows of `K` activations of `in` into `out` (reusing its storage).
+void quantize_blocks(const gemm_input& in, int K, block_rows& out);
 
 //! bf16 elements per packed panel row pair count: `in` rounded up to even.
 [[nodiscard]] inline std::size_t bf16_stride(int in) noexcept { return static_cast<std::size_t>((in + 1) / 2 * 2); }
@@ -92,6 +143,11 @@ struct gemm_input {
 //! Y[t*ldy + c] (op)= Σ_k X[t][k] · W[c][k] for t < T and the columns of groups [g0, g1) of W
 //! (with `epilogue::swiglu` W must be a pair and Y gets silu(gate) · up for its `rows` columns).
 void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
+
+//! Y (op)= X · Wᵀ for a block-format W over column groups [g0, g1) (gemm_blocks.cpp).
+void gemm_blocks(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
+//! The same arithmetic one column at a time, in plain C++ (the portable path and the tests' reference).
+void gemm_blocks_scalar(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
 
 //! One GEMM of a fork-join: all column groups of `W` against `in`, into Y (rows `ldy` apart).
 struct gemm_job {

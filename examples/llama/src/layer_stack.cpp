@@ -52,9 +52,12 @@ struct row_chunks {
 void check_stack_options(const stack_options& o) {
   auto bad = [](const std::string& msg) { fail(engine_errc::bad_option, msg); };
   if (o.threads < 0 || o.threads > 256) bad("threads " + std::to_string(o.threads) + " is outside [0, 256]");
-  if (o.weights == weight_format::int8) bad("int8 weights are for Medusa heads only (packed_heads); the model needs f32 or bf16");
-  if (o.weights != weight_format::f32 && o.weights != weight_format::bf16)
-    bad("weight format " + std::to_string(static_cast<int>(o.weights)) + " is unknown");
+  for (const weight_format f : {o.weights, o.classifier_format()}) {
+    if (f == weight_format::int8)
+      bad("int8 (per-column) weights are for Medusa heads only (packed_heads); the model takes f32, bf16, q8_0 or q4_0");
+    if (f != weight_format::f32 && f != weight_format::bf16 && f != weight_format::q8_0 && f != weight_format::q4_0)
+      bad("weight format " + std::to_string(static_cast<int>(f)) + " is unknown");
+  }
   if (o.blas_min_batch < 2) bad("blas_min_batch " + std::to_string(o.blas_min_batch) + " must be at least 2");
 }
 
@@ -115,7 +118,7 @@ layer_stack::layer_stack(model mm, const stack_options& o) : m_(std::move(mm)), 
 }
 
 bool layer_stack::use_blas(int T) const {
-  if (T <= 1 || !have_blas() || opt_.weights != weight_format::f32) return false;
+  if (T <= 1 || !have_blas() || opt_.weights != weight_format::f32 || opt_.classifier_format() != weight_format::f32) return false;
   switch (opt_.backend) {
     case gemm_backend::builtin: return false;
     case gemm_backend::blas: return true;
@@ -139,7 +142,14 @@ void layer_stack::pack_weights() {
     p.w13 = packed_matrix::swiglu_pair(w.w1, w.w3, H, d, f);
     p.w2 = packed_matrix(w.w2, d, H, f);
   }
-  cls_ = packed_matrix(m_.classifier(), c_.vocab_size, d, f);
+  cls_ = packed_matrix(m_.classifier(), c_.vocab_size, d, opt_.classifier_format());
+}
+
+std::size_t layer_stack::packed_bytes() const noexcept {
+  std::size_t n = cls_.bytes() + cls_.block_bytes_extra();
+  for (const auto& p : packed_)
+    for (const packed_matrix* w : {&p.wq, &p.wk, &p.wv, &p.wo, &p.w13, &p.w2}) n += w->bytes() + w->block_bytes_extra();
+  return n;
 }
 
 // Several projections sharing X (T rows of `in`), their column groups split across the threads in

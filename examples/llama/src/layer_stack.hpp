@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -44,6 +45,13 @@ struct stack_options {
   gemm_backend backend = gemm_backend::automatic;
   int blas_min_batch = 1 << 20;
   weight_format weights = weight_format::f32;
+  std::optional<weight_format> classifier_weights = {};
+
+  //! The classifier's format: as asked, else `weights` (q8_0 for q4_0).
+  [[nodiscard]] weight_format classifier_format() const noexcept {
+    if (classifier_weights) return *classifier_weights;
+    return weights == weight_format::q4_0 ? weight_format::q8_0 : weights;
+  }
 };
 
 //! Throws `engine_error` (`bad_option`) for a thread count, weight format or BLAS threshold out of range.
@@ -73,6 +81,8 @@ class layer_stack {
   [[nodiscard]] const model_config& config() const noexcept { return c_; }
   [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
   [[nodiscard]] int max_rows() const noexcept { return opt_.max_rows; }
+  //! Bytes of packed projection weights (block matrices and classifier) one pass streams.
+  [[nodiscard]] std::size_t packed_bytes() const noexcept;
 
   //! One pass of `T = tokens.size() <= max_rows()` rows at `positions`, split into `segments`
   //! (covering the rows, each row once). Final-normed hidden states and logits of the rows listed

@@ -2,6 +2,8 @@
 #include <medusa_llama/errors.hpp>
 #include <medusa_llama/load.hpp>
 
+#include "gguf_reader.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -91,6 +93,10 @@ bool sentencepiece_adds_dummy_prefix(const std::filesystem::path& model_file) {
 
 bool default_dummy_prefix(const std::filesystem::path& tokenizer_path) {
   std::error_code ec;
+  if (tokenizer_path.extension() != ".json" && is_gguf(tokenizer_path)) {
+    const auto file = detail::gguf_file::open(tokenizer_path);
+    return file.get_bool("tokenizer.ggml.add_space_prefix", load_errc::bad_tokenizer).value_or(true);
+  }
   const auto sp_model = tokenizer_path.parent_path() / "tokenizer.model";
   if (tokenizer_path.extension() == ".json" || !std::filesystem::exists(sp_model, ec)) return true;
   return sentencepiece_adds_dummy_prefix(sp_model);
@@ -101,6 +107,23 @@ loaded_model load(const std::filesystem::path& model_path, const std::filesystem
   if (!std::filesystem::exists(model_path, ec))
     throw load_error(load_errc::open_failed, "no such file or directory", model_path.string());
   const bool hf = std::filesystem::is_directory(model_path, ec);
+  if (!hf && is_gguf(model_path)) {
+    // The weights and, unless another tokenizer is given, the tokenizer of the GGUF metadata.
+    model weights = model::load_gguf(model_path);
+    std::unique_ptr<tokenizer> tok;
+    std::filesystem::path tok_path = tokenizer_path.empty() ? model_path : tokenizer_path;
+    if (tokenizer_path.empty()) {
+      tok = load_gguf_tokenizer(model_path);
+    } else {
+      if (!std::filesystem::exists(tok_path, ec)) throw load_error(load_errc::open_failed, "tokenizer not found", tok_path.string());
+      tok = load_tokenizer(tok_path, default_dummy_prefix(tok_path));
+    }
+    if (tok->vocab_size() != weights.config().vocab_size)
+      throw load_error(load_errc::bad_tokenizer, "tokenizer has " + std::to_string(tok->vocab_size()) + " tokens, the model " +
+                           std::to_string(weights.config().vocab_size),
+                       tok_path.string());
+    return loaded_model{std::move(weights), std::move(tok), model_path, tok_path};
+  }
   std::filesystem::path tok_path = tokenizer_path;
   if (tok_path.empty()) tok_path = hf ? model_path / "tokenizer.json" : model_path.parent_path() / "tokenizer.bin";
   if (!std::filesystem::exists(tok_path, ec))

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// Model loaders: llama2.c checkpoints (memory-mapped) and Hugging Face Llama directories.
+// Model loaders: llama2.c checkpoints (memory-mapped), Hugging Face Llama directories, GGUF files.
 #include <medusa_llama/model.hpp>
 
+#include "gguf_reader.hpp"
+#include "mapped_file.hpp"
 #include "safetensors_reader.hpp"
 
 #include <nlohmann/json.hpp>
@@ -10,14 +12,10 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
-
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 static_assert(std::endian::native == std::endian::little, "checkpoints are little-endian");
 
@@ -37,44 +35,28 @@ std::string_view to_string(load_errc code) noexcept {
   return "unknown";
 }
 
+std::string_view to_string(stored_type type) noexcept {
+  switch (type) {
+    case stored_type::f32: return "f32";
+    case stored_type::f16: return "f16";
+    case stored_type::bf16: return "bf16";
+    case stored_type::q8_0: return "q8_0";
+    case stored_type::q4_0: return "q4_0";
+    case stored_type::mixed: return "mixed";
+  }
+  return "unknown";
+}
+
+bool is_gguf(const std::filesystem::path& path) {
+  if (path.extension() == ".gguf") return true;
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
+  std::ifstream in(path, std::ios::binary);
+  char magic[4] = {};
+  return in.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0;
+}
+
 namespace detail {
-
-// Read-only private mapping of a whole file; unmapped when the last model copy goes away.
-class mapped_file {
- public:
-  explicit mapped_file(const std::filesystem::path& path) {
-    const std::string p = path.string();
-    fd_ = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) throw load_error(load_errc::open_failed, std::string("cannot open: ") + std::strerror(errno), p);
-    struct stat st {};
-    if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
-      ::close(fd_);
-      throw load_error(load_errc::open_failed, "not a regular file", p);
-    }
-    size_ = static_cast<std::size_t>(st.st_size);
-    if (size_ > 0) {
-      void* addr = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd_, 0);
-      if (addr == MAP_FAILED) {
-        ::close(fd_);
-        throw load_error(load_errc::open_failed, std::string("cannot map: ") + std::strerror(errno), p);
-      }
-      data_ = static_cast<const unsigned char*>(addr);
-    }
-  }
-  mapped_file(const mapped_file&) = delete;
-  mapped_file& operator=(const mapped_file&) = delete;
-  ~mapped_file() {
-    if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), size_);
-    if (fd_ >= 0) ::close(fd_);
-  }
-  [[nodiscard]] const unsigned char* data() const noexcept { return data_; }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-
- private:
-  int fd_ = -1;
-  const unsigned char* data_ = nullptr;
-  std::size_t size_ = 0;
-};
 
 // Offsets (in floats) of every array of a llama2.c checkpoint, after the 28-byte header.
 struct llama2c_layout {
@@ -144,8 +126,10 @@ std::size_t model::weight_bytes() const noexcept {
                           static_cast<std::size_t>(c.vocab_size) * d);
 }
 
-void model::bind_llama2c(const float* base) {
-  const auto l = detail::layout_of(config_);
+void model::bind_llama2c(const float* base, bool rope_tables) {
+  model_config lc = config_;
+  if (!rope_tables) lc.seq_len = 0;
+  const auto l = detail::layout_of(lc);
   const auto& c = config_;
   const std::size_t d = static_cast<std::size_t>(c.dim), h = static_cast<std::size_t>(c.hidden_dim),
                     kv = static_cast<std::size_t>(c.kv_dim());
@@ -362,7 +346,89 @@ model model::load_hf(const std::filesystem::path& dir) {
   }
   get("model.norm.weight", l.rms_final, 1, d);
   if (!c.shared_classifier) get("lm_head.weight", l.cls, V, d);
+  // What the file stored: the block matrices (all alike, else mixed) and the classifier.
+  std::optional<stored_type> blocks;
+  for (std::size_t i = 0; i < static_cast<std::size_t>(c.n_layers); ++i) {
+    const std::string pre = "model.layers." + std::to_string(i) + ".";
+    for (const char* w : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                          "mlp.down_proj", "mlp.up_proj"}) {
+      const auto t = st.stored(pre + w + ".weight");
+      blocks = !blocks || *blocks == t ? t : stored_type::mixed;
+    }
+  }
+  m.stored_ = blocks.value_or(stored_type::f32);
+  m.classifier_stored_ = st.stored(!c.shared_classifier || !has_embed ? "lm_head.weight" : "model.embed_tokens.weight");
   m.bind_llama2c(buf->data());
+  m.storage_ = std::move(buf);
+  return m;
+}
+
+// --- GGUF -----------------------------------------------------------------------------------------
+
+model model::load_gguf(const std::filesystem::path& path) {
+  const auto file = detail::gguf_file::open(path);
+  model m;
+  m.config_ = detail::gguf_llama_config(file);
+  const auto& c = m.config_;
+  model_config no_rope = c;  // the buffer holds no RoPE tables
+  no_rope.seq_len = 0;
+  const auto l = detail::layout_of(no_rope);
+  const std::uint64_t d = static_cast<std::uint64_t>(c.dim), h = static_cast<std::uint64_t>(c.hidden_dim),
+                      kv = static_cast<std::uint64_t>(c.kv_dim()), V = static_cast<std::uint64_t>(c.vocab_size);
+
+  // Every tensor is found and checked before anything is allocated.
+  struct part {
+    const detail::gguf_tensor* t;
+    std::uint64_t offset;  // in floats, into the buffer
+  };
+  std::vector<part> parts;
+  auto add = [&](const std::string& name, std::uint64_t offset, std::uint64_t in, std::uint64_t out) {
+    const detail::gguf_tensor* t = file.find_tensor(name);
+    if (t == nullptr) throw load_error(load_errc::missing_tensor, "tensor \"" + name + "\" is missing", file.origin());
+    // GGUF dims are innermost first: a [out][in] matrix has dims [in, out]; trailing 1s are allowed.
+    bool ok = t->dims[0] == in && (out == 0 ? t->n_dims >= 1 : t->n_dims >= 2 && t->dims[1] == out);
+    for (std::uint32_t k = out == 0 ? 1 : 2; k < t->n_dims; ++k) ok = ok && t->dims[k] == 1;
+    if (!ok) {
+      std::string want = "[" + std::to_string(in);
+      if (out != 0) want += ", " + std::to_string(out);
+      want += "]";
+      throw load_error(load_errc::size_mismatch, "tensor \"" + name + "\" has dims " + t->shape() + ", expected " + want +
+                                                     " (GGUF dims are innermost first)", file.origin());
+    }
+    file.check_decodable(*t);
+    parts.push_back({t, offset});
+  };
+  add("token_embd.weight", l.emb, d, V);
+  for (std::uint64_t i = 0; i < static_cast<std::uint64_t>(c.n_layers); ++i) {
+    const std::string pre = "blk." + std::to_string(i) + ".";
+    add(pre + "attn_norm.weight", l.rms_att + i * d, d, 0);
+    add(pre + "attn_q.weight", l.wq + i * d * d, d, d);
+    add(pre + "attn_k.weight", l.wk + i * kv * d, d, kv);
+    add(pre + "attn_v.weight", l.wv + i * kv * d, d, kv);
+    add(pre + "attn_output.weight", l.wo + i * d * d, d, d);
+    add(pre + "ffn_norm.weight", l.rms_ffn + i * d, d, 0);
+    add(pre + "ffn_gate.weight", l.w1 + i * h * d, d, h);
+    add(pre + "ffn_down.weight", l.w2 + i * d * h, h, d);
+    add(pre + "ffn_up.weight", l.w3 + i * h * d, d, h);
+    for (const char* b : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_down", "ffn_up"})
+      if (file.find_tensor(pre + b + ".bias") != nullptr)
+        throw load_error(load_errc::unsupported, "tensor \"" + pre + b + ".bias\": biases are not supported", file.origin());
+  }
+  add("output_norm.weight", l.rms_final, d, 0);
+  if (!c.shared_classifier) add("output.weight", l.cls, d, V);
+
+  auto buf = std::make_shared<std::vector<float>>(l.total);
+  std::optional<stored_type> blocks;
+  for (const auto& p : parts) {
+    file.read_f32(*p.t, buf->data() + p.offset);
+    const std::string_view name = p.t->name;
+    const bool matrix = name.starts_with("blk.") && !name.ends_with("_norm.weight");
+    const auto t = *detail::stored_type_of(p.t->type);
+    if (matrix) blocks = !blocks || *blocks == t ? t : stored_type::mixed;
+  }
+  m.stored_ = blocks.value_or(stored_type::f32);
+  m.classifier_stored_ = *detail::stored_type_of((c.shared_classifier ? parts.front() : parts.back()).t->type);
+  m.bind_llama2c(buf->data(), /*rope_tables=*/false);
   m.storage_ = std::move(buf);
   return m;
 }

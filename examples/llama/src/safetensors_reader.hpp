@@ -5,6 +5,7 @@
 #pragma once
 
 #include <medusa_llama/errors.hpp>
+#include <medusa_llama/model.hpp>
 
 #include <medusa/io/safetensors.hpp>
 
@@ -31,6 +32,15 @@ class safetensors_file {
   }
 
   [[nodiscard]] bool contains(const std::string& name) const { return file_->find(name) != nullptr; }
+
+  // How tensor `name` is stored (F32, BF16, F16; f32 for anything else, which read_f32 rejects).
+  [[nodiscard]] stored_type stored(const std::string& name) const {
+    const medusa::safetensors_tensor* t = file_->find(name);
+    using dt = medusa::safetensors_dtype;
+    if (t != nullptr && t->dtype == dt::bf16) return stored_type::bf16;
+    if (t != nullptr && t->dtype == dt::f16) return stored_type::f16;
+    return stored_type::f32;
+  }
 
   // Reads tensor `name`, which must hold rows × cols elements (shape [rows, cols], or [cols] when
   // rows == 1), into `out` as float32.

@@ -2,6 +2,8 @@
 // llama2.c and Hugging Face BPE tokenizers.
 #include <medusa_llama/tokenizer.hpp>
 
+#include "gguf_reader.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <cctype>
@@ -93,6 +95,40 @@ llama2c_tokenizer::llama2c_tokenizer(const std::filesystem::path& path, int voca
                                                       std::to_string(pieces_.size()) + " tokens the model expects", p);
   if (pieces_.size() < 3) throw load_error(load_errc::bad_tokenizer, "fewer than 3 tokens (unk, BOS, EOS)", p);
   for (std::size_t i = 0; i < pieces_.size(); ++i) index_.emplace(pieces_[i], static_cast<int>(i));
+  control_.assign(pieces_.size(), false);
+  control_[0] = control_[1] = control_[2] = true;  // unk, BOS, EOS
+  // run.c: a byte without a piece of its own is token byte + 3.
+  for (int b = 0; b < 256; ++b) byte_ids_[b] = b + 3 < static_cast<int>(pieces_.size()) ? b + 3 : 0;
+}
+
+llama2c_tokenizer::llama2c_tokenizer(std::vector<std::string> pieces, std::vector<float> scores, int bos_id, int eos_id,
+                                     bool add_dummy_prefix, std::vector<bool> control, int unk_id)
+    : pieces_(std::move(pieces)), scores_(std::move(scores)), control_(std::move(control)), bos_(bos_id), eos_(eos_id),
+      dummy_prefix_(add_dummy_prefix) {
+  const std::string origin = "llama2c_tokenizer";
+  const std::size_t n = pieces_.size();
+  if (n == 0 || n > static_cast<std::size_t>(std::numeric_limits<int>::max()))
+    throw load_error(load_errc::bad_tokenizer, "vocabulary of " + std::to_string(n) + " pieces", origin);
+  if (scores_.size() != n)
+    throw load_error(load_errc::bad_tokenizer, std::to_string(scores_.size()) + " scores for " + std::to_string(n) + " pieces", origin);
+  if (!control_.empty() && control_.size() != n)
+    throw load_error(load_errc::bad_tokenizer, std::to_string(control_.size()) + " control flags for " + std::to_string(n) + " pieces", origin);
+  for (const int id : {bos_id, eos_id, unk_id})
+    if (id < 0 || static_cast<std::size_t>(id) >= n)
+      throw load_error(load_errc::bad_tokenizer, "special token id " + std::to_string(id) + " is outside the vocabulary of " + std::to_string(n), origin);
+  if (control_.empty()) {
+    control_.assign(n, false);
+    control_[static_cast<std::size_t>(unk_id)] = control_[static_cast<std::size_t>(bos_id)] = control_[static_cast<std::size_t>(eos_id)] = true;
+  }
+  // Control pieces ("<s>", "<unk>", ...) never come out of text.
+  for (std::size_t i = 0; i < n; ++i)
+    if (!control_[i]) index_.emplace(pieces_[i], static_cast<int>(i));
+  static const char* hex = "0123456789ABCDEF";
+  for (int b = 0; b < 256; ++b) {
+    const char piece[7] = {'<', '0', 'x', hex[b >> 4], hex[b & 15], '>', 0};
+    const int id = lookup(piece);
+    byte_ids_[b] = id >= 0 ? id : unk_id;
+  }
 }
 
 const std::string& llama2c_tokenizer::piece(int token) const {
@@ -129,10 +165,7 @@ std::vector<int> llama2c_tokenizer::encode(std::string_view text, bool bos, bool
     if (int id = lookup(std::string_view(buf, len)); id >= 0) {
       tokens.push_back(id);
     } else {
-      for (std::size_t b = 0; b < len; ++b) {
-        const int id_b = static_cast<unsigned char>(buf[b]) + 3;
-        tokens.push_back(id_b < vocab_size() ? id_b : 0);
-      }
+      for (std::size_t b = 0; b < len; ++b) tokens.push_back(byte_ids_[static_cast<unsigned char>(buf[b])]);
     }
     len = 0;
   }
@@ -160,17 +193,17 @@ std::vector<int> llama2c_tokenizer::encode(std::string_view text, bool bos, bool
     eval(best_i);
     if (best_i > 0) eval(best_i - 1);
   }
-  if (bos) tokens.insert(tokens.begin(), 1);
-  if (eos) tokens.push_back(2);
+  if (bos) tokens.insert(tokens.begin(), bos_);
+  if (eos) tokens.push_back(eos_);
   return tokens;
 }
 
 std::string llama2c_tokenizer::decode_piece(int prev, int token) const {
   const std::string& p = piece(token);
-  if (token <= 2) return {};  // unk, BOS, EOS are control tokens
+  if (control_[static_cast<std::size_t>(token)]) return {};  // unk, BOS, EOS and other control tokens
   std::string_view s = p;
   // run.c: after BOS the SentencePiece decoder strips the dummy-prefix space.
-  if (dummy_prefix_ && prev == 1 && !s.empty() && s[0] == ' ') s.remove_prefix(1);
+  if (dummy_prefix_ && prev == bos_ && !s.empty() && s[0] == ' ') s.remove_prefix(1);
   if (const int b = parse_byte_piece(s); b >= 0) return std::string(1, static_cast<char>(b));
   return std::string(s);
 }
@@ -353,8 +386,13 @@ std::string hf_tokenizer::decode_piece(int prev, int token) const {
   return std::string(s);
 }
 
+std::unique_ptr<llama2c_tokenizer> load_gguf_tokenizer(const std::filesystem::path& path, std::optional<bool> add_dummy_prefix) {
+  return detail::gguf_llama_tokenizer(detail::gguf_file::open(path), 0, add_dummy_prefix);
+}
+
 std::unique_ptr<tokenizer> load_tokenizer(const std::filesystem::path& path, bool add_dummy_prefix) {
   if (path.extension() == ".json") return std::make_unique<hf_tokenizer>(path);
+  if (is_gguf(path)) return load_gguf_tokenizer(path, add_dummy_prefix);
   return std::make_unique<llama2c_tokenizer>(path, 0, add_dummy_prefix);
 }
 

@@ -7,6 +7,7 @@
 #include "../src/gemm.hpp"  // private kernels, checked against a naive reference
 
 #include <medusa/decoder.hpp>
+#include <medusa/half.hpp>
 
 #include <doctest/doctest.h>
 
@@ -285,6 +286,8 @@ TEST_CASE("forward rejects inconsistent arguments without writing") {
   CHECK(after == before);  // nothing was written
   CHECK(code_of([&] { engine bad(tiny_model(), {.max_batch = 0}); }) == engine_errc::bad_option);
   CHECK(code_of([&] { engine bad(tiny_model(), {.weights = weight_format::int8}); }) == engine_errc::bad_option);
+  CHECK(code_of([&] { engine bad(tiny_model(), {.classifier_weights = weight_format::int8}); }) == engine_errc::bad_option);
+  CHECK(code_of([&] { engine bad(tiny_model(), {.weights = static_cast<weight_format>(42)}); }) == engine_errc::bad_option);
   CHECK(code_of([&] { e.prefill(std::vector<int>(37, 1), 4, logits, {}); }) == engine_errc::bad_slot);  // 41 > capacity
   std::vector<float> two_rows(2 * 97);
   two(ok_mask, two_rows);
@@ -420,6 +423,39 @@ std::vector<float> rounded_int8(const std::vector<float>& v, int rows, int in) {
 // The int8 kernels' activations: each row quantized the same way as a weight row.
 std::vector<float> quantized_rows(const std::vector<float>& x, int T, int in) { return rounded_int8(x, T, in); }
 
+// The block formats' weights as the kernels see them: each row's blocks of 32 quantized by the
+// GGUF rule and dequantized with the binary16 scale.
+std::vector<float> rounded_blocks(const std::vector<float>& v, int rows, int in, weight_format fmt) {
+  std::vector<float> out(v.size());
+  for (int r = 0; r < rows; ++r)
+    for (int k0 = 0; k0 < in; k0 += 32) {
+      const std::size_t at = static_cast<std::size_t>(r) * static_cast<std::size_t>(in) + static_cast<std::size_t>(k0);
+      const int n = std::min(32, in - k0);
+      std::int8_t q[32];
+      const std::uint16_t h = fmt == weight_format::q8_0 ? detail::quantize_block_q8_0(v.data() + at, n, q)
+                                                         : detail::quantize_block_q4_0(v.data() + at, n, q);
+      const float d = medusa::detail::half_bits_to_float(h);
+      for (int i = 0; i < n; ++i) out[at + static_cast<std::size_t>(i)] = d * static_cast<float>(q[i]);
+    }
+  return out;
+}
+
+// The block kernels' activations: per row and block of 32, s = max |x| / 127, x ≈ rint(x / s) · s.
+std::vector<float> quantized_blocks(const std::vector<float>& x, int T, int in) {
+  std::vector<float> out(x.size());
+  for (int t = 0; t < T; ++t)
+    for (int k0 = 0; k0 < in; k0 += 32) {
+      const std::size_t at = static_cast<std::size_t>(t) * static_cast<std::size_t>(in) + static_cast<std::size_t>(k0);
+      const int n = std::min(32, in - k0);
+      float amax = 0.0f;
+      for (int i = 0; i < n; ++i) amax = std::max(amax, std::abs(x[at + static_cast<std::size_t>(i)]));
+      const float s = amax / 127.0f;
+      for (int i = 0; i < n; ++i)
+        out[at + static_cast<std::size_t>(i)] = s > 0.0f ? std::nearbyint(x[at + static_cast<std::size_t>(i)] * (1.0f / s)) * s : 0.0f;
+    }
+  return out;
+}
+
 std::vector<float> rounded_bf16(const std::vector<float>& v) {
   std::vector<float> r(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) r[i] = detail::bf16_to_float(detail::bf16_round(v[i]));
@@ -439,7 +475,7 @@ TEST_CASE("packed kernels equal a naive GEMM for ragged shapes, every format and
   const int shapes[][2] = {{1, 1}, {5, 3}, {16, 16}, {17, 31}, {33, 64}, {50, 100}, {96, 7}, {130, 45}};
   const int batches[] = {1, 2, 3, 5, 7, 8, 9, 13, 17, 64};
   int cases = 0;
-  for (auto fmt : {weight_format::f32, weight_format::bf16, weight_format::int8})
+  for (auto fmt : {weight_format::f32, weight_format::bf16, weight_format::int8, weight_format::q8_0, weight_format::q4_0})
     for (const auto& sh : shapes)
       for (int T : batches)
         for (auto op : {detail::epilogue::store, detail::epilogue::add, detail::epilogue::swiglu}) {
@@ -478,9 +514,12 @@ TEST_CASE("packed kernels equal a naive GEMM for ragged shapes, every format and
           auto rounded = [&](const std::vector<float>& w) {
             if (fmt == weight_format::bf16) return rounded_bf16(w);
             if (fmt == weight_format::int8) return rounded_int8(w, rows, in);
+            if (fmt == weight_format::q8_0 || fmt == weight_format::q4_0) return rounded_blocks(w, rows, in, fmt);
             return w;
           };
-          const auto Xr = fmt == weight_format::int8 ? quantized_rows(X, T, in) : X;
+          const auto Xr = fmt == weight_format::int8                                ? quantized_rows(X, T, in)
+                          : fmt == weight_format::q8_0 || fmt == weight_format::q4_0 ? quantized_blocks(X, T, in)
+                                                                                     : X;
           const auto ref = naive_gemm(rounded(W), rounded(W3), Xr, Y0, T, rows, in, op);
           double err = 0;
           bool gap_kept = true;
@@ -494,7 +533,7 @@ TEST_CASE("packed kernels equal a naive GEMM for ragged shapes, every format and
           CHECK(gap_kept);
           ++cases;
         }
-  CHECK(cases == 3 * 8 * 10 * 3);
+  CHECK(cases == 5 * 8 * 10 * 3);
   CHECK(detail::bf16_round(1.0f) == 0x3f80);
   CHECK(detail::bf16_round(1.00390625f) == 0x3f80);  // halfway: ties to even
   CHECK(detail::bf16_round(1.01171875f) == 0x3f82);  // halfway: ties to even (up)

@@ -28,7 +28,8 @@ bool have(const std::filesystem::path& p) {
 }
 
 void check_lossless(const std::filesystem::path& model_path, const std::filesystem::path& tokenizer_path,
-                    const std::vector<std::string>& prompts, const std::vector<std::string>& trees, int new_tokens) {
+                    const std::vector<std::string>& prompts, const std::vector<std::string>& trees, int new_tokens,
+                    medusa_llama::weight_format weights = medusa_llama::weight_format::f32) {
   auto lm = medusa_llama::load(model_path, tokenizer_path);
   const int eos = lm.tok->eos_id();
   std::vector<std::vector<std::int32_t>> encoded;
@@ -41,6 +42,7 @@ void check_lossless(const std::filesystem::path& model_path, const std::filesyst
   medusa_llama::engine_options eo;
   eo.max_batch = 64;
   eo.threads = 2;
+  eo.weights = weights;
   medusa_llama::engine model(std::move(lm.weights), eo);
   medusa_llama::packed_heads heads(model, heads_w.view(), medusa_llama::weight_format::f32);
   medusa::decode_options opt;
@@ -53,6 +55,8 @@ void check_lossless(const std::filesystem::path& model_path, const std::filesyst
       CAPTURE(model_path.string());
       CAPTURE(prompts[p]);
       CAPTURE(t);
+      const std::string weights_name = medusa_llama::to_string(weights);
+      CAPTURE(weights_name);
       const auto tree = medusa::tree::from_text(t);
       medusa::decoder dec(model, heads, tree, medusa::greedy_policy{});
       const auto out = dec.generate(encoded[p], opt);
@@ -97,4 +101,13 @@ TEST_CASE("tinystories-656K (Hugging Face layout): greedy Medusa equals greedy")
   const auto path = models / "tinystories-656K";
   if (!have(path / "model.safetensors")) return;
   check_lossless(path, {}, {"", "Once upon a time, there was a"}, {"vicuna_7b_stage2", "zephyr_stage2", small_tree}, 256);
+}
+
+TEST_CASE("pycode-15m: greedy Medusa equals greedy decoding of the same bf16, q8_0 and q4_0 weights") {
+  const auto path = models / "pycode-15m" / "model.bin";
+  if (!have(path)) return;
+  using medusa_llama::weight_format;
+  for (auto w : {weight_format::bf16, weight_format::q8_0, weight_format::q4_0})
+    check_lossless(path, {}, {"import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"},
+                   {small_tree}, 256, w);
 }

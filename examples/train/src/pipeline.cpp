@@ -47,6 +47,7 @@ std::string fmt(const char* f, double v) {
 medusa_llama::model load_model(const std::filesystem::path& p) {
   std::error_code ec;
   if (std::filesystem::is_directory(p, ec)) return medusa_llama::model::load_hf(p);
+  if (medusa_llama::is_gguf(p)) return medusa_llama::model::load_gguf(p);
   return medusa_llama::model::load_llama2c(p);
 }
 
@@ -68,6 +69,7 @@ void write_text(const std::filesystem::path& p, const std::string& text) {
 std::filesystem::path resolve_tokenizer(const run_options& o) {
   if (!o.tokenizer.empty()) return o.tokenizer;
   std::error_code ec;
+  if (!std::filesystem::is_directory(o.model, ec) && medusa_llama::is_gguf(o.model)) return o.model;  // its own tokenizer
   const auto dir = std::filesystem::is_directory(o.model, ec) ? o.model : o.model.parent_path();
   for (const char* name : {"tokenizer.json", "tokenizer.bin"})
     if (std::filesystem::exists(dir / name, ec)) return dir / name;

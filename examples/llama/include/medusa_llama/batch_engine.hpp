@@ -39,6 +39,7 @@
 #include <medusa_llama/model.hpp>
 
 #include <memory>
+#include <optional>
 
 namespace medusa_llama {
 
@@ -52,7 +53,8 @@ struct batch_engine_options {
   int max_context = 0;   //!< most slots of one request; 0 = the model's seq_len
   int max_tokens = 256;  //!< most tokens in one pass (sizes the activation buffers); more run in several passes
   int threads = 0;       //!< threads including the caller; 0 = all hardware threads
-  weight_format weights = weight_format::f32;  //!< precision of the packed projections (f32 or bf16)
+  weight_format weights = weight_format::f32;  //!< precision of the packed projections (see `engine_options`)
+  std::optional<weight_format> classifier_weights = {};  //!< the classifier's (see `engine_options`)
 };
 
 //! A model, a paged KV pool shared by its requests, activation buffers and threads; a

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 
 namespace medusa_llama {
@@ -52,7 +53,27 @@ enum class weight_format {
          //!< per row the same way, exact int32 dot products (AVX512-VNNI; a portable path
          //!< elsewhere): a quarter of the bytes. For Medusa heads (`packed_heads`) only, whose
          //!< precision changes which drafts are proposed, never the output; the engine rejects it.
+  q8_0,  //!< int8 in blocks of 32 weights along the input with one binary16 scale each: GGUF's
+         //!< Q8_0, quantized by its reference rule (d = max |w| / 127, q = round(w / d)), so a
+         //!< Q8_0 file packs without loss. Activations are quantized per row and block of 32
+         //!< (int8, float32 scale); products summed exactly in int32 per block (AVX512-VNNI,
+         //!< portable path elsewhere). 1.06 bytes a weight. See docs/engine.md.
+  q4_0,  //!< 4-bit in blocks of 32 with one binary16 scale: GGUF's Q4_0 (d = w_max / -8, where
+         //!< w_max is the weight of largest magnitude; q = min(15, ⌊w / d + 8.5⌋), w ≈ d · (q − 8)),
+         //!< activations as for `q8_0`. 0.56 bytes a weight.
 };
+
+//! Name of a weight format ("f32", "bf16", "int8", "q8_0", "q4_0").
+[[nodiscard]] constexpr const char* to_string(weight_format f) noexcept {
+  switch (f) {
+    case weight_format::f32: return "f32";
+    case weight_format::bf16: return "bf16";
+    case weight_format::int8: return "int8";
+    case weight_format::q8_0: return "q8_0";
+    case weight_format::q4_0: return "q4_0";
+  }
+  return "unknown";
+}
 
 //! Sizes and threading of an engine.
 struct engine_options {
@@ -63,9 +84,12 @@ struct engine_options {
   //! With `automatic`, batches of at least this many tokens use OpenBLAS (the built-in packed
   //! kernel is faster at every batch size measured, so by default never).
   int blas_min_batch = 1 << 20;
-  //! Weight precision of the projections (packed once at construction). With `bf16` every
-  //! projection runs the bf16 kernel whatever `backend` says.
+  //! Weight precision of the projections (packed once at construction). With any format but
+  //! `f32` every projection runs the built-in kernels whatever `backend` says.
   weight_format weights = weight_format::f32;
+  //! Weight precision of the classifier; unset: `weights`, except `q8_0` when `weights` is `q4_0`
+  //! (4-bit logits cost the most accuracy for the fewest bytes).
+  std::optional<weight_format> classifier_weights = {};
 };
 
 //! A model plus its KV cache, activation buffers and threads; a `medusa::decoder_model`.
@@ -86,6 +110,8 @@ class engine {
   [[nodiscard]] const model& weights() const noexcept;
   //! The options in effect (after defaults were resolved).
   [[nodiscard]] const engine_options& options() const noexcept;
+  //! Bytes of packed weights one forward streams (projections and classifier, with their scales).
+  [[nodiscard]] std::size_t weight_bytes() const noexcept;
 
   //! Vocabulary size.
   [[nodiscard]] int vocab_size() const noexcept;

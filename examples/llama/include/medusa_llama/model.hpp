@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file model.hpp
-//! Llama-family model weights: configuration, loaders for llama2.c and Hugging Face checkpoints.
+//! Llama-family model weights: configuration, loaders for llama2.c, Hugging Face and GGUF checkpoints.
 //!
 //! A `model` is an immutable set of float32 weights plus its `model_config`. It is cheap to copy:
 //! copies share the storage (a read-only memory map of the checkpoint, or an owned buffer).
+//! Quantized GGUF tensors are dequantized to float32 on load; `stored()` says what the file held.
 //!
 //! @code
 //! auto m = medusa_llama::model::load_llama2c("stories260K.bin");
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 namespace medusa_llama {
@@ -51,6 +53,23 @@ struct model_config {
   [[nodiscard]] std::uint64_t parameter_count() const noexcept;
 };
 
+//! How a checkpoint stored a group of weight matrices (they are float32 in the `model` either way).
+enum class stored_type {
+  f32,    //!< float32
+  f16,    //!< IEEE binary16
+  bf16,   //!< bfloat16
+  q8_0,   //!< ggml Q8_0: blocks of 32 int8 with one fp16 scale
+  q4_0,   //!< ggml Q4_0: blocks of 32 4-bit values with one fp16 scale
+  mixed,  //!< the matrices of the group differ
+};
+
+//! Name of a `stored_type` ("f32", "q8_0", ...).
+[[nodiscard]] std::string_view to_string(stored_type type) noexcept;
+
+//! Whether `path` is a GGUF file: its name ends in `.gguf`, or it is a regular file that starts
+//! with the magic "GGUF".
+[[nodiscard]] bool is_gguf(const std::filesystem::path& path);
+
 //! Pointers to one transformer block's weights (row-major `[out][in]`).
 struct layer_weights {
   const float* rms_att = nullptr;  //!< `[dim]`
@@ -73,6 +92,12 @@ class model {
   //! Loads a Hugging Face Llama directory (`config.json` + `model.safetensors`). F32 tensors are
   //! mapped, BF16/F16 converted. Throws `load_error`.
   static model load_hf(const std::filesystem::path& dir);
+  //! Loads a GGUF file (versions 2 and 3) of architecture "llama" (llama.cpp's tensor names and
+  //! layout: RoPE on adjacent pairs). F32, F16, BF16, Q8_0 and Q4_0 tensors are decoded into one
+  //! owned float32 buffer; an absent `output.weight` means a shared classifier. Throws `load_error`
+  //! naming the key or tensor at fault (`unsupported` for other architectures, tensor types, RoPE
+  //! scaling or partial RoPE).
+  static model load_gguf(const std::filesystem::path& path);
   //! A model with random weights (seeded; uniform in ±`scale`, norms around 1), for tests.
   static model random(const model_config& config, std::uint64_t seed, float scale = 0.1f);
 
@@ -92,10 +117,17 @@ class model {
   [[nodiscard]] const float* classifier() const noexcept { return classifier_; }
   //! Bytes of weights one decoding step streams (all block matrices, norms and the classifier).
   [[nodiscard]] std::size_t weight_bytes() const noexcept;
+  //! How the checkpoint stored the block matrices (wq, wk, wv, wo, w1, w2, w3 of every layer):
+  //! `mixed` if they differ; f32 for llama2.c; the safetensors dtype for Hugging Face.
+  [[nodiscard]] stored_type stored() const noexcept { return stored_; }
+  //! How the checkpoint stored the classifier (`output.weight` / `lm_head.weight`, or the token
+  //! embedding when the classifier is shared).
+  [[nodiscard]] stored_type classifier_stored() const noexcept { return classifier_stored_; }
 
  private:
   model() = default;
-  void bind_llama2c(const float* data);  // pointers in run.c order
+  // Pointers in run.c order; without the RoPE tables the classifier follows the final norm.
+  void bind_llama2c(const float* data, bool rope_tables = true);
 
   model_config config_;
   std::shared_ptr<const void> storage_;
@@ -103,6 +135,8 @@ class model {
   const float* rms_final_ = nullptr;
   const float* classifier_ = nullptr;
   std::vector<layer_weights> layers_;
+  stored_type stored_ = stored_type::f32;
+  stored_type classifier_stored_ = stored_type::f32;
 };
 
 }  // namespace medusa_llama

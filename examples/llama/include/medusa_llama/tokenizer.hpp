@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file tokenizer.hpp
-//! Tokenizers of the example engine: llama2.c `tokenizer.bin` (score-merge BPE, as run.c) and
-//! Hugging Face `tokenizer.json` BPE (ranked merges, byte fallback, the Llama normalizer).
+//! Tokenizers of the example engine: llama2.c `tokenizer.bin` (score-merge BPE, as run.c; also the
+//! SentencePiece vocabulary of a GGUF file) and Hugging Face `tokenizer.json` BPE (ranked merges,
+//! byte fallback, the Llama normalizer).
 //!
 //! @code
 //! auto tok = medusa_llama::load_tokenizer("tok512.bin");
@@ -14,6 +15,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -61,14 +63,22 @@ class llama2c_tokenizer final : public tokenizer {
   //! (prepend " " to non-empty text and strip a leading space after BOS when decoding); tokenizers
   //! exported without a dummy prefix (pycode-15m) want false.
   llama2c_tokenizer(const std::filesystem::path& path, int vocab_size, bool add_dummy_prefix = true);
+  //! A vocabulary given in memory (e.g. a GGUF file's tokenizer.ggml.* arrays): `pieces` as
+  //! tokenizer.bin stores them (SentencePiece's "▁" already replaced by a space, byte pieces as
+  //! `<0xXX>`), one merge score each; `bos_id` / `eos_id` are prepended / appended by `encode`.
+  //! `control` marks tokens that decode to "" and never come out of text (default: `unk_id`, BOS
+  //! and EOS); `unk_id` stands for bytes that have no `<0xXX>` piece. Throws `load_error`
+  //! (`bad_tokenizer`) on inconsistent sizes or ids.
+  llama2c_tokenizer(std::vector<std::string> pieces, std::vector<float> scores, int bos_id, int eos_id,
+                    bool add_dummy_prefix = true, std::vector<bool> control = {}, int unk_id = 0);
 
   [[nodiscard]] std::vector<int> encode(std::string_view text, bool bos, bool eos) const override;
   //! run.c's `decode`: after BOS a leading space is stripped (only with the dummy prefix), and
   //! `<0xXX>` pieces become the raw byte.
   [[nodiscard]] std::string decode_piece(int prev, int token) const override;
   [[nodiscard]] int vocab_size() const noexcept override { return static_cast<int>(pieces_.size()); }
-  [[nodiscard]] int bos_id() const noexcept override { return 1; }
-  [[nodiscard]] int eos_id() const noexcept override { return 2; }
+  [[nodiscard]] int bos_id() const noexcept override { return bos_; }
+  [[nodiscard]] int eos_id() const noexcept override { return eos_; }
   //! The stored text of a piece (byte pieces as `<0xXX>`). Throws `engine_error` when out of range.
   [[nodiscard]] const std::string& piece(int token) const;
   //! The merge score of a piece.
@@ -79,6 +89,9 @@ class llama2c_tokenizer final : public tokenizer {
   std::vector<std::string> pieces_;
   std::vector<float> scores_;
   std::unordered_map<std::string, int> index_;
+  std::vector<bool> control_;  // decode to ""
+  int byte_ids_[256];          // the token of each byte that has no piece of its own
+  int bos_ = 1, eos_ = 2;
   bool dummy_prefix_;
 };
 
@@ -117,8 +130,17 @@ class hf_tokenizer final : public tokenizer {
   bool prepend_ = true;
 };
 
-//! Opens a tokenizer by file name: `*.json` → `hf_tokenizer`, anything else → `llama2c_tokenizer`
-//! (with its own vocabulary size and `add_dummy_prefix`).
+//! Opens a tokenizer by file name: `*.json` → `hf_tokenizer`; a GGUF file (see `is_gguf`) → the
+//! `llama2c_tokenizer` of its tokenizer.ggml.* metadata (SentencePiece vocabularies only) with
+//! `add_dummy_prefix`; anything else → a llama2.c `tokenizer.bin` (its own vocabulary size and
+//! `add_dummy_prefix`).
 [[nodiscard]] std::unique_ptr<tokenizer> load_tokenizer(const std::filesystem::path& path, bool add_dummy_prefix = true);
+
+//! The tokenizer stored in a GGUF file (tokenizer.ggml.model "llama": tokens, scores, token types,
+//! BOS/EOS ids). The dummy prefix is tokenizer.ggml.add_space_prefix (default true) unless
+//! `add_dummy_prefix` is given. Throws `load_error`: `bad_tokenizer` for missing or inconsistent
+//! keys, `unsupported` for other tokenizer models ("gpt2" byte-level BPE, ...).
+[[nodiscard]] std::unique_ptr<llama2c_tokenizer> load_gguf_tokenizer(const std::filesystem::path& path,
+                                                                     std::optional<bool> add_dummy_prefix = std::nullopt);
 
 }  // namespace medusa_llama

@@ -29,8 +29,8 @@ namespace medusa_train {
 
 //! Everything `medusa-train` can be told.
 struct run_options {
-  std::filesystem::path model;       //!< llama2.c `model.bin` or a Hugging Face directory
-  std::filesystem::path tokenizer;   //!< empty: `tokenizer.json` / `tokenizer.bin` beside the model
+  std::filesystem::path model;       //!< llama2.c `model.bin`, a Hugging Face directory or a GGUF file
+  std::filesystem::path tokenizer;   //!< empty: a GGUF model's own, else `tokenizer.json` / `tokenizer.bin` beside the model
   //! llama2.c tokenizers: prepend a space (run.c). Unset: medusa_llama::default_dummy_prefix
   //! (the SentencePiece model beside tokenizer.bin decides; pycode-15m's says no).
   std::optional<bool> dummy_prefix;
@@ -98,7 +98,7 @@ struct run_events {
 //! inputs, `medusa::io_error` / engine errors otherwise.
 run_report run_training(const run_options& o, const run_events& ev);
 
-//! The tokenizer `run_training` uses for `o` (explicit path, or beside the model).
+//! The tokenizer `run_training` uses for `o` (explicit path, a GGUF model itself, or beside the model).
 [[nodiscard]] std::filesystem::path resolve_tokenizer(const run_options& o);
 
 }  // namespace medusa_train
