@@ -237,9 +237,9 @@ auto_inputs prepare_auto(const run_args& a) {
 // `--tree auto` once the engine exists: random heads get a small chain (they are never right);
 // trained heads the tree `optimize_tree` picks from their calibration and this machine's step
 // costs. Heads without a calibration get a chain too, with a warning saying so.
-template <class Engine>
 // `context`: the mean context of the run's steps (prompt + half the new tokens): attention grows
 // with it, so a step's cost relative to a plain one is measured there.
+template <class Engine>
 tree_choice choose_auto_tree(const run_args& a, const auto_inputs& in, Engine& eng, const medusa::head_weights& head_w,
                              int batch, int max_rows, int context) {
   const int heads = static_cast<int>(head_w.num_heads());
@@ -451,9 +451,8 @@ medusa_llama::weight_format native_format(medusa_llama::stored_type t) {
 
 template <class Options>
 nlohmann::json weights_json(const Options& eo) {
-  const auto cls = eo.classifier_weights ? *eo.classifier_weights
-                   : eo.weights == medusa_llama::weight_format::q4_0 ? medusa_llama::weight_format::q8_0 : eo.weights;
-  return {{"blocks", medusa_llama::to_string(eo.weights)}, {"classifier", medusa_llama::to_string(cls)}};
+  return {{"blocks", medusa_llama::to_string(eo.weights)},
+          {"classifier", medusa_llama::to_string(medusa_llama::classifier_format(eo.weights, eo.classifier_weights))}};
 }
 
 template <class Options>

@@ -109,10 +109,18 @@ struct random_problem {
     fill_random(v, rng);
     fill_random(q, rng);
   }
-  [[nodiscard]] auto view(int hkv, int dim, int cap) {
-    return medusa::make_kv_view<float>(k, v, kv_extents{1, hkv, dim}, cap);
+  [[nodiscard]] auto view(int hkv, int dim, int cap, kv_layout layout = kv_layout::nhd) {
+    return medusa::make_kv_view<float>(k, v, kv_extents{1, hkv, dim}, cap, layout);
   }
 };
+
+// Node ids from the root to `node`.
+std::vector<int> root_path(const std::vector<int>& parents, int node) {
+  std::vector<int> path;
+  for (int u = node; u >= 0; u = parents[static_cast<std::size_t>(u)]) path.push_back(u);
+  std::reverse(path.begin(), path.end());
+  return path;
+}
 
 struct config {
   int layers, kv_heads, group, dim, L, n;
@@ -255,18 +263,13 @@ TEST_CASE("tree attention equals each root-to-node path run as its own causal se
     const int wpr = (n + 31) / 32;
     const auto words = packed_mask(parents, wpr);
     // the tree cache: prefix + the n tree rows
-    const int cap = L + n;
-    std::vector<float> k(static_cast<std::size_t>(cap * hkv * D)), v(k.size());
-    fill_random(k, rng);
-    fill_random(v, rng);
-    const auto kv = medusa::make_kv_view<float>(k, v, kv_extents{1, hkv, D}, cap, kv_layout::hnd);
-    std::vector<float> q(static_cast<std::size_t>(n * hq * D)), out(q.size());
-    fill_random(q, rng);
+    random_problem p(rng, L + n, hkv, D, n, hq);
+    const auto kv = p.view(hkv, D, L + n, kv_layout::hnd);
+    const std::vector<float>& q = p.q;
+    std::vector<float> out(q.size());
     medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{words, wpr}, out);
     for (int node = 0; node < n; ++node) {
-      std::vector<int> path;
-      for (int u = node; u >= 0; u = parents[static_cast<std::size_t>(u)]) path.push_back(u);
-      std::reverse(path.begin(), path.end());
+      const auto path = root_path(parents, node);
       const int m = static_cast<int>(path.size());
       path_cache pc(kv, L, path, hkv, D);
       const auto& pkv = pc.view;
@@ -297,18 +300,13 @@ TEST_CASE("a tree node gets the same bits as its row decoded alone once its ance
     const auto parents = random_parents(rng, n);
     const int wpr = (n + 31) / 32;
     const auto words = packed_mask(parents, wpr);
-    const int cap = L + n;
-    std::vector<float> k(static_cast<std::size_t>(cap * hkv * D)), v(k.size());
-    fill_random(k, rng);
-    fill_random(v, rng);
-    const auto kv = medusa::make_kv_view<float>(k, v, kv_extents{1, hkv, D}, cap, kv_layout::nhd);
-    std::vector<float> q(static_cast<std::size_t>(n * hq * D)), out(q.size());
-    fill_random(q, rng);
+    random_problem p(rng, L + n, hkv, D, n, hq);
+    const auto kv = p.view(hkv, D, L + n);
+    const std::vector<float>& q = p.q;
+    std::vector<float> out(q.size());
     medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{words, wpr}, out);
     for (int node = 0; node < n; ++node) {
-      std::vector<int> path;
-      for (int u = node; u >= 0; u = parents[static_cast<std::size_t>(u)]) path.push_back(u);
-      std::reverse(path.begin(), path.end());
+      const auto path = root_path(parents, node);
       const int m = static_cast<int>(path.size());
       path_cache pc(kv, L, path, hkv, D);
       const auto& pkv = pc.view;

@@ -110,13 +110,13 @@ void packed_matrix::pack_panel(int dst_panel, const float* W, int first_row, int
         const int k0 = 32 * b, n = std::min(32, in_ - k0);
         S[sz(b) * kPanel + sz(j)] = q4 ? quantize_block_q4_0(w + k0, n, q) : quantize_block_q8_0(w + k0, n, q);
         for (int kk = 0; kk < 32; ++kk) {
-          const std::size_t m = sz(j) * 4 + sz(kk % 4);  // byte within a k-quad's 64
+          const block_slot at = block_slot_of(fmt_, j, k0 + kk);
+          std::uint8_t& byte = P[at.byte];
           if (q4) {
-            std::uint8_t& byte = P[sz(b) * 256 + sz(kk / 8) * 64 + m];
             const auto u = static_cast<std::uint8_t>(q[kk] + 8);
-            byte = (kk / 4) % 2 == 0 ? static_cast<std::uint8_t>((byte & 0xf0) | u) : static_cast<std::uint8_t>((byte & 0x0f) | (u << 4));
+            byte = at.nibble == 0 ? static_cast<std::uint8_t>((byte & 0xf0) | u) : static_cast<std::uint8_t>((byte & 0x0f) | (u << 4));
           } else {
-            P[sz(b) * 512 + sz(kk / 4) * 64 + m] = static_cast<std::uint8_t>(q[kk] + 128);
+            byte = static_cast<std::uint8_t>(q[kk] + 128);
           }
         }
       }

@@ -102,6 +102,19 @@ class packed_matrix {
   std::vector<std::uint16_t> block_scales_;  // q8_0, q4_0: [p][b][16] binary16
 };
 
+//! Where weight k of column j (< 16) sits in a q8_0 / q4_0 panel (the layouts above): its byte
+//! from the panel's start and, for q4_0, its nibble (0 low, 1 high).
+struct block_slot {
+  std::size_t byte;
+  int nibble;
+};
+[[nodiscard]] inline block_slot block_slot_of(weight_format fmt, int j, int k) noexcept {
+  const auto b = static_cast<std::size_t>(k / 32), kk = static_cast<std::size_t>(k % 32);
+  const std::size_t m = static_cast<std::size_t>(j) * 4 + kk % 4;  // byte within a k-quad's 64
+  if (fmt == weight_format::q8_0) return {b * 512 + kk / 4 * 64 + m, 0};
+  return {b * 256 + kk / 8 * 64 + m, static_cast<int>(kk / 4 % 2)};
+}
+
 //! GGUF's reference quantizers for one block of 32 weights (fewer: the rest taken as 0). Return
 //! the binary16 scale; `q` gets the signed values (q8_0: −127..127; q4_0: −8..7, w ≈ d · q).
 std::uint16_t quantize_block_q8_0(const float* w, int n, std::int8_t (&q)[32]) noexcept;

@@ -98,12 +98,10 @@ namespace {
 
 // Unsigned weight byte of (panel p, column j, k): q + 128 (q8_0) or q + 8 (q4_0).
 int weight_byte(const packed_matrix& W, int p, int j, int k) {
-  const std::uint8_t* P = W.u8() + sz(p) * W.panel_bytes();
-  const int b = k / kBlock, kk = k % kBlock;
-  const std::size_t m = sz(j) * 4 + sz(kk % 4);
-  if (W.format() == weight_format::q8_0) return P[sz(b) * 512 + sz(kk / 4) * 64 + m];
-  const std::uint8_t byte = P[sz(b) * 256 + sz(kk / 8) * 64 + m];
-  return (kk / 4) % 2 == 0 ? byte & 0x0f : byte >> 4;
+  const block_slot at = block_slot_of(W.format(), j, k);
+  const std::uint8_t byte = W.u8()[sz(p) * W.panel_bytes() + at.byte];
+  if (W.format() == weight_format::q8_0) return byte;
+  return at.nibble == 0 ? byte & 0x0f : byte >> 4;
 }
 
 int offset_shift(const packed_matrix& W) { return W.format() == weight_format::q8_0 ? 7 : 3; }  // o = 128 or 8

@@ -47,10 +47,9 @@ struct stack_options {
   weight_format weights = weight_format::f32;
   std::optional<weight_format> classifier_weights = {};
 
-  //! The classifier's format: as asked, else `weights` (q8_0 for q4_0).
+  //! The classifier's format (see medusa_llama::classifier_format).
   [[nodiscard]] weight_format classifier_format() const noexcept {
-    if (classifier_weights) return *classifier_weights;
-    return weights == weight_format::q4_0 ? weight_format::q8_0 : weights;
+    return medusa_llama::classifier_format(weights, classifier_weights);
   }
 };
 

@@ -75,6 +75,13 @@ enum class weight_format {
   return "unknown";
 }
 
+//! The classifier's format: `classifier`, or when unset `weights` (`q8_0` under `q4_0`: 4-bit logits
+//! cost the most accuracy for the fewest bytes).
+[[nodiscard]] constexpr weight_format classifier_format(weight_format weights, std::optional<weight_format> classifier) noexcept {
+  if (classifier) return *classifier;
+  return weights == weight_format::q4_0 ? weight_format::q8_0 : weights;
+}
+
 //! Sizes and threading of an engine.
 struct engine_options {
   int capacity = 0;        //!< KV slots per layer; 0 = the model's seq_len
@@ -88,7 +95,7 @@ struct engine_options {
   //! `f32` every projection runs the built-in kernels whatever `backend` says.
   weight_format weights = weight_format::f32;
   //! Weight precision of the classifier; unset: `weights`, except `q8_0` when `weights` is `q4_0`
-  //! (4-bit logits cost the most accuracy for the fewest bytes).
+  //! (see `classifier_format`).
   std::optional<weight_format> classifier_weights = {};
 };
 
