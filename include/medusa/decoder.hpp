@@ -6,7 +6,8 @@
 //!
 //! An engine implements `decoder_model` (decoder/model.hpp): a forward pass that appends K/V at
 //! given slots and honours a mask (causal, or a packed tree mask), and a `kv_cache()` view the
-//! library commits accepted paths in. Heads are anything with `num_heads()` and
+//! library commits accepted paths in, or, for a cache the host cannot write, a `commit(L, N, path)`
+//! of its own and `max_context()`. Heads are anything with `num_heads()` and
 //! `forward(hidden, logits)` (`head_stack_runner` adapts a `head_stack` and a GEMM policy).
 //! Serving engines drive several requests at once with `batch_decoder` (decoder/batch.hpp), on
 //! which both loops here are built: a request decoded alone is a batch of one.
@@ -44,15 +45,29 @@ MEDUSA_NAMESPACE_BEGIN
 
 namespace detail {
 
-// A single-request model seen as a batch model of one request (id 0): the hooks pass through.
+// A single-request model seen as a batch model of one request (id 0): the hooks pass through, and
+// so does the cache: `kv_cache` when the model has one, `commit` when it commits itself.
 template <decoder_model Model>
 class single_request_model {
+  // A commit member without max_context() would be passed over for kv_cache(): say so instead.
+  static_assert(!has_single_kv_commit<Model> || context_bounded_model<Model>,
+                "a model with commit(L, N, path) commits its own cache and must report max_context()");
+
  public:
   static constexpr bool accepts_request_masks = true;  // one request: its mask is the pass's
   explicit single_request_model(Model& m) : m_(m) {}
   [[nodiscard]] int vocab_size() { return static_cast<int>(m_.vocab_size()); }
   [[nodiscard]] int hidden_size() { return static_cast<int>(m_.hidden_size()); }
-  decltype(auto) kv_cache(int) { return m_.kv_cache(); }
+  decltype(auto) kv_cache(int)
+    requires writable_kv_cache_model<Model>
+  {
+    return m_.kv_cache();
+  }
+  int commit(int, int committed_length, int num_tree_nodes, std::span<const int> path)
+    requires kv_committing_single_model<Model>
+  {
+    return static_cast<int>(m_.commit(committed_length, num_tree_nodes, path));
+  }
   void forward(const ragged_batch& b) {
     const int T = static_cast<int>(b.tokens.size());
     forward_batch f;

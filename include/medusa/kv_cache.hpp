@@ -57,7 +57,8 @@ MEDUSA_NAMESPACE_BEGIN
 enum class kv_errc {
   invalid_shape,          //!< non-positive extents, bad strides, buffer smaller than the mapping
   capacity_exceeded,      //!< `L + N` (or a length) beyond the view's capacity
-  invalid_length,         //!< negative length, or a truncation that grows the cache
+  invalid_length,         //!< negative length, a truncation that grows the cache, or a model's own
+                          //!< commit reporting a length other than `L + A + 1`
   invalid_path,           //!< accepted path empty, not starting at 0, not strictly increasing, node >= N
   path_not_in_tree,       //!< accepted path is not a root path of the given tree
   block_table_too_short,  //!< paged cache: the block table does not map the slots needed
@@ -512,6 +513,13 @@ template <class T, class A>
 
 namespace detail {
 
+// The capacity rule of appends and commits: slots up to `end` fit `capacity` slots.
+inline void kv_check_capacity(int end, int capacity, int request) {
+  if (end > capacity)
+    kv_fail(kv_errc::capacity_exceeded,
+            "slots up to " + std::to_string(end) + " needed, capacity is " + std::to_string(capacity), request);
+}
+
 // Checks that slots [begin, end) are addressable: the mapping's own check when it has one,
 // else the capacity.
 template <class View>
@@ -520,10 +528,22 @@ void kv_check_range(const View& kv, int begin, int end, int request) {
   if constexpr (requires { m.validate_slots(begin, end, request); }) {
     m.validate_slots(begin, end, request);
   } else {
-    if (end > kv.capacity())
-      kv_fail(kv_errc::capacity_exceeded,
-              "slots up to " + std::to_string(end) + " needed, capacity is " + std::to_string(kv.capacity()), request);
+    kv_check_capacity(end, kv.capacity(), request);
   }
+}
+
+// The argument rule of an append of N rows at length L: both non-negative, L + N an int.
+inline void kv_check_append_args(int L, int N) {
+  if (L < 0 || N < 0)
+    kv_fail(kv_errc::invalid_length, "append of " + std::to_string(N) + " rows at length " + std::to_string(L));
+  if (L > std::numeric_limits<int>::max() - N) kv_fail(kv_errc::capacity_exceeded, "L + N overflows int");
+}
+
+// `kv_check_append` for a cache the caller cannot address (a model that keeps it to itself):
+// the same rules against a context of `capacity` slots.
+inline void kv_check_append_within(int capacity, int L, int N) {
+  kv_check_append_args(L, N);
+  kv_check_capacity(L + N, capacity, -1);
 }
 
 inline std::string kv_path_string(std::span<const int> path) {
@@ -568,11 +588,7 @@ inline void kv_check_path(int L, int N, std::span<const int> path, int request) 
 //! Throws `kv_cache_error` (`capacity_exceeded`, `block_table_too_short`, `invalid_block`).
 template <kv_view View>
 void kv_check_append(const View& kv, int committed_length, int num_tree_nodes) {
-  if (committed_length < 0 || num_tree_nodes < 0)
-    detail::kv_fail(kv_errc::invalid_length, "append of " + std::to_string(num_tree_nodes) + " rows at length " +
-                                                 std::to_string(committed_length));
-  if (committed_length > std::numeric_limits<int>::max() - num_tree_nodes)
-    detail::kv_fail(kv_errc::capacity_exceeded, "L + N overflows int");
+  detail::kv_check_append_args(committed_length, num_tree_nodes);
   detail::kv_check_range(kv, committed_length, committed_length + num_tree_nodes, -1);
 }
 
@@ -625,6 +641,17 @@ void kv_validate_tree_path(const Tree& tree, std::span<const int> path, int requ
                   std::to_string(path[j]) + " is " + std::to_string(p) + ", not " + std::to_string(path[j - 1]),
               request);
   }
+}
+
+// `kv_commit(kv, L, tree, path)`'s checks for a cache the caller cannot address (a model that
+// commits it itself): the path rule, the tree pass `[L, L + N)` within `capacity` slots (so
+// `L + A + 1` too), and the path a root path of `tree`.
+template <class Tree>
+void kv_validate_commit_within(int capacity, int L, const Tree& tree, std::span<const int> path, int request) {
+  const int n = static_cast<int>(tree.num_nodes());
+  kv_check_path(L, n, path, request);
+  kv_check_capacity(L + n, capacity, request);
+  kv_validate_tree_path(tree, path, request);
 }
 
 }  // namespace detail

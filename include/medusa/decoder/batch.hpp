@@ -22,7 +22,8 @@
 //! A request's tokens are exactly those it would get decoded alone (`decoder::generate`, and with
 //! greedy acceptance plain greedy decoding): requests share the forward pass and the tree, never
 //! state. Errors specific to one request (non-finite logits, a cache that cannot take the step, a
-//! throwing token callback, pages the engine cannot map) end that request with
+//! throwing token callback, pages the engine cannot map, a model's own commit that throws or
+//! reports a wrong length) end that request with
 //! `stop_reason::failed` and the exception in its update; the others go on. Errors of the whole
 //! batch (the model's forward throws) propagate from `step()`.
 #pragma once
@@ -145,7 +146,8 @@ struct request_update {
 //!
 //! A step, for each request in the batch:
 //! - decoding far enough from its limits: heads on its hidden state → candidates → its tree rows
-//!   in the shared ragged forward → acceptance (`verify_batch`) → `kv_commit` → emit root + drafts;
+//!   in the shared ragged forward → acceptance (`verify_batch`) → `kv_commit` in its
+//!   `kv_cache(request)`, or the model's own `commit` (`kv_committing_model`) → emit root + drafts;
 //!   candidates are the heads' top-K, or, with a `depth_draft_policy` (`draft_sampling_policy`),
 //!   drawn without replacement from the heads' warped softmax (`sample_candidates`, at the step
 //!   of the verify call), whose draft rows go to that request's `verify_request`;
@@ -154,7 +156,10 @@ struct request_update {
 //!
 //! With a root-only tree (`tree::from_text("[]")`) and `no_heads` this is plain batched decoding.
 //!
-//! @tparam Model  satisfies `batch_decoder_model` (optionally the paging hooks of decoder/model.hpp)
+//! @tparam Model  satisfies `batch_decoder_model` (optionally the paging hooks of decoder/model.hpp);
+//!                a `kv_committing_model` is committed through its `commit`, even when it also has
+//!                `kv_cache(request)`: the decoder then checks appends and paths against
+//!                `max_context()` and the length `commit` returns (`kv_cache_error`)
 //! @tparam Heads  satisfies `draft_heads` (at least `tree.depth()` heads); `batched_draft_heads` is
 //!                used when available
 //! @tparam Tree   satisfies `tree_like` (one tree for every step), or `step_drafts` (each tree
@@ -164,6 +169,10 @@ struct request_update {
 template <batch_decoder_model Model, draft_heads Heads, class Tree, acceptance_policy Policy>
   requires tree_like<Tree> || step_drafts<Tree>
 class batch_decoder {
+  // A commit member without max_context() would be passed over for kv_cache(): say so instead.
+  static_assert(!detail::has_request_kv_commit<Model> || context_bounded_model<Model>,
+                "a model with commit(request, L, N, path) commits its own cache and must report max_context()");
+
  public:
   //! Per-request token callback: return false to stop the request (`stop_reason::callback`).
   using token_callback = std::function<bool(std::int32_t)>;
@@ -451,10 +460,35 @@ class batch_decoder {
     return b;
   }
 
-  // Maps (hook) and checks slots [L, L + count) of a request before a forward writes them.
+  // Maps (hook) and checks slots [L, L + count) of a request before a forward writes them. A
+  // model that commits itself is checked against its context before it maps anything.
   void prepare_append(slot& s, int L, int count) {
-    if constexpr (kv_reserving_model<Model>) model_.reserve(s.id, L + count);
-    kv_check_append(model_.kv_cache(s.id), L, count);
+    if constexpr (kv_committing_model<Model>) {
+      detail::kv_check_append_within(context_of(s.id), L, count);
+      if constexpr (kv_reserving_model<Model>) model_.reserve(s.id, L + count);
+    } else {
+      if constexpr (kv_reserving_model<Model>) model_.reserve(s.id, L + count);
+      kv_check_append(model_.kv_cache(s.id), L, count);
+    }
+  }
+
+  // Commits request `s`'s accepted `path` of a tree pass of `tree`; returns the new length. A
+  // model that commits itself gets only paths `kv_commit` would take, and must report L + A + 1.
+  template <class StepTree>
+  int commit_path(const slot& s, const StepTree& tree, std::span<const int> path) {
+    if constexpr (kv_committing_model<Model>) {
+      detail::kv_validate_commit_within(context_of(s.id), s.length, tree, path, -1);
+      const int want = s.length + static_cast<int>(path.size());
+      const int got = static_cast<int>(model_.commit(s.id, s.length, static_cast<int>(tree.num_nodes()), path));
+      if (got != want)
+        throw kv_cache_error(kv_errc::invalid_length,
+                             "request " + std::to_string(s.id) + ": the model's commit returned length " +
+                                 std::to_string(got) + ", expected " + std::to_string(want) + " (L " +
+                                 std::to_string(s.length) + " + " + std::to_string(path.size()) + " accepted slots)");
+      return got;
+    } else {
+      return kv_commit(model_.kv_cache(s.id), s.length, tree, path);
+    }
   }
 
   // Emits one generated token under the request's stop rules; false once the request is over.
@@ -711,8 +745,8 @@ class batch_decoder {
       const verify_result& res = results_[to_size(jj)];
       const auto tc = decode_clock::now();
       const bool committed = guarded(s, [&] {
-        if constexpr (per_step) s.length = kv_commit(model_.kv_cache(s.id), s.length, *s.step_tree, res.nodes());
-        else s.length = kv_commit(model_.kv_cache(s.id), s.length, tree_, res.nodes());
+        if constexpr (per_step) s.length = commit_path(s, *s.step_tree, res.nodes());
+        else s.length = commit_path(s, tree_, res.nodes());
         if constexpr (kv_releasing_model<Model>) model_.release(s.id, s.length);
       });
       st.seconds.commit += seconds_since(tc);

@@ -4,13 +4,23 @@
 //! ragged batch of requests, `ragged_batch`), its KV cache, optional hooks for caches whose pages
 //! are mapped on demand, and draft heads.
 //!
+//! The accepted path of a tree step is committed in one of two ways:
+//! - the model hands out a host-writable view of its cache (`kv_cache()`, `kv_cache(request)`)
+//!   and the decoder moves the rows itself (`kv_commit`);
+//! - the model commits itself (`commit(request, L, N, path)`, or `commit(L, N, path)` for one
+//!   request), for a cache the host cannot write (device memory). It must then report
+//!   `max_context()`, which bounds the context in place of a view's capacity. The decoder checks
+//!   the path as `kv_commit` would before the call (`kv_cache_error`) and the returned length
+//!   after it, and never calls `kv_cache` of such a model, even when it has one.
+//!
 //! Optional hooks, detected with `requires` (an engine without them is unchanged):
 //! - `reserve(request, slots)`: before a forward that writes slots `[L, slots)` of `request`'s
 //!   cache, the engine makes slots `[0, slots)` addressable (maps pages: `kv_pages_to_map`).
 //! - `release(request, length)`: after a commit (or a finished prefill), slots from `length` on
 //!   are free; the engine may unmap whole pages past it (`kv_pages_releasable`).
 //! - `max_context()`: the most slots a request may use. Without it the cache's capacity is the
-//!   context, which for a lazily mapped cache is only what is mapped now.
+//!   context, which for a lazily mapped cache is only what is mapped now. A model that commits
+//!   itself must have it.
 //!
 //! The single-request `decoder` passes request id 0 to the hooks.
 #pragma once
@@ -50,22 +60,60 @@ struct forward_batch {
   std::span<float> hidden;                  //!< `[T - first_output_row][hidden]`: final-normed states (lm_head input)
 };
 
+//! A model whose context is bounded apart from what its cache maps now: `max_context()`.
+template <class M>
+concept context_bounded_model = requires(const M& m) {
+  { m.max_context() } -> std::convertible_to<int>;
+};
+
+namespace detail {
+// A host-writable cache the decoder commits in: one request's, or any request's of a batch model.
+template <class M>
+concept writable_kv_cache_model = requires(M& m) {
+  { m.kv_cache() } -> writable_kv_cache;
+};
+template <class M>
+concept writable_request_kv_cache_model = requires(M& m, int request) {
+  { m.kv_cache(request) } -> writable_kv_cache;
+};
+// A `commit` member of either form (the public concepts add `max_context()`).
+template <class M>
+concept has_single_kv_commit = requires(M& m, int committed_length, int num_tree_nodes, std::span<const int> path) {
+  { m.commit(committed_length, num_tree_nodes, path) } -> std::convertible_to<int>;
+};
+template <class M>
+concept has_request_kv_commit =
+    requires(M& m, int request, int committed_length, int num_tree_nodes, std::span<const int> path) {
+      { m.commit(request, committed_length, num_tree_nodes, path) } -> std::convertible_to<int>;
+    };
+}  // namespace detail
+
+//! A single-request model that commits accepted paths in its own cache (which the host need not be
+//! able to write, e.g. device memory): `commit(committed_length, num_tree_nodes, path)` moves the
+//! K/V rows of nodes `path[j]` at slots `L + path[j]` to `L + j` and returns the new length
+//! `L + A + 1` (`path` is `0 = p_0 < p_1 < ... < p_A`, as in `kv_commit`), and `max_context()`
+//! bounds the context (there is no view to read a capacity from).
+template <class M>
+concept kv_committing_single_model = detail::has_single_kv_commit<M> && context_bounded_model<M>;
+
 //! An engine's model as the single-request `decoder` drives it.
 //!
 //! - `forward(batch)` runs `batch.tokens` at `batch.positions`, writes their K/V at slots
-//!   `[L, L+T)` of `kv_cache()`, and fills logits and hidden states of the requested rows.
-//! - `kv_cache()` returns a writable `kv_cache_view` over all layers, or a range of writable views
+//!   `[L, L+T)` of its cache, and fills logits and hidden states of the requested rows.
+//! - Either `kv_cache()`, a writable `kv_cache_view` over all layers or a range of writable views
 //!   (one per layer, `kv_layer_views`); the decoder commits accepted paths in it (any layout whose
 //!   mapping satisfies `kv_layout_mapping`); its capacity bounds the context unless the model has
 //!   `max_context()`.
+//! - Or `commit(L, N, path)` and `max_context()` (`kv_committing_single_model`): the model commits
+//!   itself, after the decoder has checked the path. A model with both forms is committed through
+//!   `commit`.
 //! - `vocab_size()`, `hidden_size()`.
 template <class M>
 concept decoder_model = requires(M& m, const forward_batch& batch) {
   { m.vocab_size() } -> std::convertible_to<int>;
   { m.hidden_size() } -> std::convertible_to<int>;
   m.forward(batch);
-  { m.kv_cache() } -> writable_kv_cache;
-};
+} && (detail::writable_kv_cache_model<M> || kv_committing_single_model<M>);
 
 // ------------------------------------------------------------------------------------------------
 // Several requests per forward (continuous batching)
@@ -73,8 +121,8 @@ concept decoder_model = requires(M& m, const forward_batch& batch) {
 
 //! One forward call over the new tokens of B requests, concatenated (a ragged batch, in
 //! FlashInfer's `qo_indptr` layout). Request `b` owns rows `[qo_indptr[b], qo_indptr[b+1])`:
-//! `n_b` tokens whose K/V go to slots `[cache_lengths[b], cache_lengths[b] + n_b)` of
-//! `kv_cache(requests[b])`, and which see that request's committed slots `[0, cache_lengths[b])`.
+//! `n_b` tokens whose K/V go to slots `[cache_lengths[b], cache_lengths[b] + n_b)` of request
+//! `requests[b]`'s cache, and which see that request's committed slots `[0, cache_lengths[b])`.
 //!
 //! Within a request, visibility is causal when `tree_mask` is empty; otherwise the request's
 //! tokens are the first `n_b` nodes of the tree (`n_b = 1` is a plain step: the root sees itself)
@@ -111,16 +159,25 @@ struct ragged_batch {
   }
 };
 
-//! An engine's model as `batch_decoder` drives it: `forward(ragged_batch)` and one KV cache per
-//! request (`kv_cache(request)`: a writable view, or per-layer views), plus `vocab_size()` and
-//! `hidden_size()`. The hooks of the file comment are optional.
+//! A batch model that commits accepted paths in its own caches (a GPU engine whose caches live in
+//! device memory): `commit(request, committed_length, num_tree_nodes, path)` moves request
+//! `request`'s K/V rows of nodes `path[j]` at slots `L + path[j]` to `L + j` and returns the new
+//! length `L + A + 1` (`path` is `0 = p_0 < p_1 < ... < p_A`, as in `kv_commit`), and
+//! `max_context()` bounds every request's context (there is no view to read a capacity from).
 template <class M>
-concept batch_decoder_model = requires(M& m, const ragged_batch& batch, int request) {
+concept kv_committing_model = detail::has_request_kv_commit<M> && context_bounded_model<M>;
+
+//! An engine's model as `batch_decoder` drives it: `forward(ragged_batch)`, `vocab_size()`,
+//! `hidden_size()`, and either one KV cache per request (`kv_cache(request)`: a writable view, or
+//! per-layer views) the decoder commits in, or `commit(request, L, N, path)` and `max_context()`
+//! (`kv_committing_model`) for caches the host cannot write. A model with both forms is committed
+//! through `commit`. The hooks of the file comment are optional.
+template <class M>
+concept batch_decoder_model = requires(M& m, const ragged_batch& batch) {
   { m.vocab_size() } -> std::convertible_to<int>;
   { m.hidden_size() } -> std::convertible_to<int>;
   m.forward(batch);
-  { m.kv_cache(request) } -> writable_kv_cache;
-};
+} && (detail::writable_request_kv_cache_model<M> || kv_committing_model<M>);
 
 //! A batch model that honours `ragged_batch::request_masks` (one tree per request in a pass, as
 //! per-step drafts need): it declares `static constexpr bool accepts_request_masks = true`.
@@ -133,15 +190,10 @@ concept kv_reserving_model = requires(M& m, int request, int slots) { m.reserve(
 //! A model that frees cache pages past a request's length: `release(request, length)`.
 template <class M>
 concept kv_releasing_model = requires(M& m, int request, int length) { m.release(request, length); };
-//! A model whose context is bounded apart from what its cache maps now: `max_context()`.
-template <class M>
-concept context_bounded_model = requires(const M& m) {
-  { m.max_context() } -> std::convertible_to<int>;
-};
 
 namespace detail {
-// Slots a request of a batch model can hold: its `max_context()` when it has one, else what its
-// cache view addresses.
+// Slots a request of a batch model can hold: its `max_context()` when it has one (always, for a
+// model that commits itself), else what its cache view addresses.
 template <batch_decoder_model Model>
 int request_context(Model& model, int request) {
   if constexpr (context_bounded_model<Model>) return static_cast<int>(model.max_context());
