@@ -44,6 +44,7 @@
 
 #include <medusa/config.hpp>
 #include <medusa/cuda/kernel_context.hpp>
+#include <medusa/cuda/kernels/batch_kv.hpp>
 #include <medusa/cuda/launch.hpp>
 #include <medusa/kv_cache.hpp>
 
@@ -64,11 +65,8 @@ inline constexpr int kv_commit_rows_per_pass = 8;
 //! Threads per block of the planned launch (fewer for tiny caches).
 inline constexpr int kv_commit_max_threads = 128;
 
-//! Where the rows of a request live.
-enum class kv_commit_layout : std::int32_t {
-  strided,  //!< contiguous: `layer·layer_stride + (slot_bases[b] + slot)·slot_stride + head·head_stride`
-  paged,    //!< paged: `layer·layer_stride + page·page_stride + (slot mod page_size)·token_stride + head·head_stride`
-};
+//! Where the rows of a request live (the layouts of `batch_kv`).
+using kv_commit_layout = batch_kv_layout;
 
 //! The requests of one commit, all in device memory (host memory for the emulation). Every array
 //! is read only, except `new_lengths`, which must not alias `committed_lengths` (other blocks
@@ -86,30 +84,10 @@ struct kv_commit_batch {
   const std::int32_t* accept_lengths = nullptr;  //!< [B] A_b, with `path_stride` (`verify_args::accept_length`)
 };
 
-//! Arguments of one commit: the batch and the cache geometry. Strides are in elements, pointers
-//! address the element at offset 0 (slot 0 of request 0, or page 0 of the pool).
-struct kv_commit_params {
-  kv_commit_batch batch;         //!< the requests and their paths
-  void* k = nullptr;             //!< K cache or K page pool
-  void* v = nullptr;             //!< V cache or V page pool (same geometry as K)
-  int element_bytes = 0;         //!< 2 (f16, bf16) or 4 (f32); rows move as raw bytes
-  kv_extents shape{};            //!< layers, KV heads, head_dim (elements of one contiguous row)
-  std::size_t layer_stride = 0;  //!< elements between layer l and l+1
-  std::size_t head_stride = 0;   //!< elements between KV head h and h+1
-  kv_commit_layout layout = kv_commit_layout::strided;  //!< which of the fields below apply
-
-  // contiguous (`kv_commit_layout::strided`)
-  std::size_t slot_stride = 0;              //!< elements between slot s and s+1
-  int slots_per_request = 0;                //!< capacity of each request's slot range
-  const std::int32_t* slot_bases = nullptr;  //!< [B] first slot of each request's range; nullptr: all 0
-
-  // paged (`kv_commit_layout::paged`)
-  std::size_t page_stride = 0;                //!< elements between page p and p+1 of the pool
-  std::size_t token_stride = 0;               //!< elements between in-page slots
-  int page_size = 0;                          //!< slots per page
-  int num_pages = 0;                          //!< pages in the pool (per layer); table entries are below
-  int blocks_per_request = 0;                 //!< block-table entries per request (row length)
-  const std::int32_t* block_tables = nullptr;  //!< [B][blocks_per_request] logical block -> page
+//! Arguments of one commit: the cache geometry (`batch_kv`: pools, strides, slot ranges or block
+//! tables) and the batch of paths.
+struct kv_commit_params : batch_kv {
+  kv_commit_batch batch;  //!< the requests and their paths
 };
 
 //! Launch shape of a commit (see `plan_kv_commit`).
@@ -121,11 +99,6 @@ struct kv_commit_plan {
 };
 
 namespace detail {
-
-// Slots each request can address: its slot range, or its block-table row.
-MEDUSA_HOST_DEVICE constexpr int kv_commit_capacity(const kv_commit_params& p) noexcept {
-  return p.layout == kv_commit_layout::paged ? p.blocks_per_request * p.page_size : p.slots_per_request;
-}
 
 // The OR of everything a move's address is a multiple of or a sum of: row size, base addresses,
 // and the byte strides in use (a stride along an axis of extent 1 never multiplies anything). Its
@@ -163,65 +136,16 @@ namespace detail {
   throw launch_error(code, "kv commit: " + what);
 }
 
-// a*b + c in size_t, false on overflow.
-inline bool kv_commit_mul_add(std::size_t a, std::size_t b, std::size_t c, std::size_t& out) noexcept {
-  if (a != 0 && b > (std::numeric_limits<std::size_t>::max() - c) / a) return false;
-  out = a * b + c;
-  return true;
-}
-
-// An axis of `extent` indices with `stride`: rows along it must not overlap, and the last one
-// must be addressable.
-inline void kv_commit_check_axis(const char* name, std::size_t stride, int extent, int head_dim, std::size_t& span) {
-  if (extent > 1 && stride < static_cast<std::size_t>(head_dim))
-    kv_commit_fail(launch_errc::invalid_shape, std::string(name) + " stride " + std::to_string(stride) +
-                                                    " is below head_dim " + std::to_string(head_dim) +
-                                                    ": rows would overlap");
-  if (!kv_commit_mul_add(stride, static_cast<std::size_t>(extent - 1), span, span))
-    kv_commit_fail(launch_errc::invalid_shape, "cache offsets overflow size_t");
-}
-
 // Checks the geometry of `p` (not the pointers nor the data): sizes, strides, and that no byte
 // offset of a row overflows size_t.
 inline void kv_commit_check_geometry(const kv_commit_params& p) {
-  const int int_max = std::numeric_limits<int>::max();
   if (p.batch.size < 1) kv_commit_fail(launch_errc::invalid_shape, "batch of " + std::to_string(p.batch.size) + " requests");
-  if (p.element_bytes != 2 && p.element_bytes != 4) {
-    kv_commit_fail(p.element_bytes > 0 ? launch_errc::unsupported : launch_errc::invalid_shape,
-                   "element size of " + std::to_string(p.element_bytes) + " bytes (2 or 4 are supported)");
-  }
+  check_batch_kv(p, "kv commit");
   const kv_extents& e = p.shape;
-  if (e.num_layers <= 0 || e.num_kv_heads <= 0 || e.head_dim <= 0)
-    kv_commit_fail(launch_errc::invalid_shape, "extents must be positive, got layers=" + std::to_string(e.num_layers) +
-                                                   " kv_heads=" + std::to_string(e.num_kv_heads) +
-                                                   " head_dim=" + std::to_string(e.head_dim));
   const std::int64_t items = std::int64_t{e.num_layers} * 2 * e.num_kv_heads * e.head_dim;
-  if (items > int_max / 2)  // the item loops stay in int, one grid stride beyond the last item included
+  if (items > std::numeric_limits<int>::max() / 2)  // the item loops stay in int, one grid stride beyond the last item included
     kv_commit_fail(launch_errc::invalid_shape, "layers x 2 x kv_heads x head_dim = " + std::to_string(items) +
-                                                   " columns exceed " + std::to_string(int_max / 2));
-  std::size_t span = static_cast<std::size_t>(e.head_dim);
-  kv_commit_check_axis("layer", p.layer_stride, e.num_layers, e.head_dim, span);
-  kv_commit_check_axis("head", p.head_stride, e.num_kv_heads, e.head_dim, span);
-  if (p.layout == kv_commit_layout::paged) {
-    if (p.page_size <= 0 || p.num_pages <= 0 || p.blocks_per_request <= 0)
-      kv_commit_fail(launch_errc::invalid_shape, "page_size, num_pages and blocks_per_request must be positive, got " +
-                                                     std::to_string(p.page_size) + ", " + std::to_string(p.num_pages) +
-                                                     ", " + std::to_string(p.blocks_per_request));
-    if (p.blocks_per_request > int_max / p.page_size)
-      kv_commit_fail(launch_errc::invalid_shape, std::to_string(p.blocks_per_request) + " blocks of " +
-                                                     std::to_string(p.page_size) + " slots overflow int");
-    kv_commit_check_axis("page", p.page_stride, p.num_pages, e.head_dim, span);
-    kv_commit_check_axis("token", p.token_stride, p.page_size, e.head_dim, span);
-  } else if (p.layout == kv_commit_layout::strided) {
-    if (p.slots_per_request <= 0)
-      kv_commit_fail(launch_errc::invalid_shape, "slots_per_request must be positive, got " +
-                                                     std::to_string(p.slots_per_request));
-    kv_commit_check_axis("slot", p.slot_stride, p.slots_per_request, e.head_dim, span);
-  } else {
-    kv_commit_fail(launch_errc::invalid_shape, "unknown layout " + std::to_string(static_cast<int>(p.layout)));
-  }
-  if (!kv_commit_mul_add(span, static_cast<std::size_t>(p.element_bytes), 0, span))
-    kv_commit_fail(launch_errc::invalid_shape, "cache offsets overflow size_t");
+                                                   " columns exceed " + std::to_string(std::numeric_limits<int>::max() / 2));
 }
 
 }  // namespace detail
@@ -263,35 +187,18 @@ struct alignas(VecBytes) kv_commit_chunk {
   word words[VecBytes / sizeof(word)];
 };
 
-// The page holding `slot` of request b (unchecked).
-MEDUSA_KERNEL_FN std::int32_t kv_commit_page(const kv_commit_params& p, int b, int slot) noexcept {
-  return p.block_tables[static_cast<std::size_t>(b) * static_cast<std::size_t>(p.blocks_per_request) +
-                        static_cast<std::size_t>(slot / p.page_size)];
-}
-
-// Byte offset of slot `slot` of request b, head 0 of layer 0 (the slot's share of a row offset).
-MEDUSA_KERNEL_FN std::size_t kv_commit_slot_bytes(const kv_commit_params& p, int b, int slot) noexcept {
-  const auto eb = static_cast<std::size_t>(p.element_bytes);
-  if (p.layout == kv_commit_layout::paged) {
-    const auto page = static_cast<std::size_t>(kv_commit_page(p, b, slot));
-    return (page * p.page_stride + static_cast<std::size_t>(slot % p.page_size) * p.token_stride) * eb;
-  }
-  const std::size_t base = p.slot_bases == nullptr ? 0 : static_cast<std::size_t>(p.slot_bases[b]);
-  return (base + static_cast<std::size_t>(slot)) * p.slot_stride * eb;
-}
-
 // Whether request b's data allow the commit: a path `0 = p_0 < ... < p_A` whose slots
 // `L + p_j` lie in the request's range (so `L + A + 1` fits), a non-negative slot base, and pages
 // inside the pool for every slot a move reads or writes. Every thread computes the same answer.
 MEDUSA_KERNEL_FN bool kv_commit_request_ok(const kv_commit_params& p, int b, int committed, int first,
                                            int length) noexcept {
-  const int capacity = kv_commit_capacity(p);
+  const int capacity = batch_kv_capacity(p);
   if (first < 0 || length < 1 || committed < 0 || committed >= capacity) return false;
   const std::int32_t* path = p.batch.paths + first;
   if (path[0] != 0) return false;
   if (p.layout == kv_commit_layout::strided && p.slot_bases != nullptr && p.slot_bases[b] < 0) return false;
   const auto page_ok = [&](int slot) {
-    const std::int32_t page = kv_commit_page(p, b, slot);
+    const std::int32_t page = batch_kv_page(p, b, slot);
     return page >= 0 && page < p.num_pages;
   };
   for (int j = 1; j < length; ++j) {
@@ -346,13 +253,13 @@ MEDUSA_KERNEL_FN void kv_commit_with_width(Ctx& ctx, const kv_commit_params& p) 
         MEDUSA_UNROLL
         for (int r = 0; r < rows_per_pass; ++r)
           if (pass + r < length)
-            rows[r] = load_aligned<detail::kv_commit_chunk<VecBytes>>(column + detail::kv_commit_slot_bytes(p, b, committed + path[pass + r]));
+            rows[r] = load_aligned<detail::kv_commit_chunk<VecBytes>>(column + batch_kv_slot_offset(p, b, committed + path[pass + r]) * eb);
         // Targets are computed before the first store: the reads they need (block table) cannot
         // then be held up behind stores the compiler must assume they alias.
         std::size_t target[rows_per_pass];
         MEDUSA_UNROLL
         for (int r = 0; r < rows_per_pass; ++r)
-          target[r] = pass + r < length ? detail::kv_commit_slot_bytes(p, b, committed + pass + r) : 0;
+          target[r] = pass + r < length ? batch_kv_slot_offset(p, b, committed + pass + r) * eb : 0;
         MEDUSA_UNROLL
         for (int r = 0; r < rows_per_pass; ++r)
           if (pass + r < length) store_aligned(column + target[r], rows[r]);
@@ -375,23 +282,6 @@ MEDUSA_KERNEL_FN void kv_commit(Ctx& ctx, const kv_commit_params& p) {
   }
 }
 
-namespace detail {
-// The fields every layout shares: batch, pools, element size, extents, layer and head strides.
-template <class View>
-kv_commit_params kv_commit_params_of(const View& cache, const kv_commit_batch& batch) {
-  const auto& m = cache.mapping();
-  kv_commit_params p;
-  p.batch = batch;
-  p.k = cache.k_data();
-  p.v = cache.v_data();
-  p.element_bytes = static_cast<int>(sizeof(typename View::element_type));
-  p.shape = m.shape;
-  p.layer_stride = m.layer_stride;
-  p.head_stride = m.head_stride;
-  return p;
-}
-}  // namespace detail
-
 //! Params for a contiguous cache described by a `kv_cache_view` whose handles are device
 //! pointers (host pointers for the emulation). Request `b` owns slots
 //! `[slot_bases[b], slot_bases[b] + slots_per_request)` of the view; `slot_bases` is a device
@@ -403,12 +293,9 @@ template <class T>
                                                      const kv_commit_batch& batch,
                                                      const std::int32_t* slot_bases = nullptr,
                                                      int slots_per_request = 0) {
-  const auto& m = cache.mapping();
-  kv_commit_params p = detail::kv_commit_params_of(cache, batch);
-  p.layout = kv_commit_layout::strided;
-  p.slot_stride = m.slot_stride;
-  p.slots_per_request = slots_per_request > 0 ? slots_per_request : m.capacity;
-  p.slot_bases = slot_bases;
+  kv_commit_params p;
+  static_cast<batch_kv&>(p) = make_batch_kv(cache, slot_bases, slots_per_request);
+  p.batch = batch;
   return p;
 }
 
@@ -421,15 +308,9 @@ template <class T>
                                                      const kv_commit_batch& batch,
                                                      const std::int32_t* block_tables = nullptr,
                                                      int blocks_per_request = 0) {
-  const auto& m = cache.mapping();
-  kv_commit_params p = detail::kv_commit_params_of(cache, batch);
-  p.layout = kv_commit_layout::paged;
-  p.page_stride = m.page_stride;
-  p.token_stride = m.token_stride;
-  p.page_size = m.page_size;
-  p.num_pages = m.num_pages;
-  p.block_tables = block_tables != nullptr ? block_tables : m.block_table;
-  p.blocks_per_request = block_tables != nullptr ? blocks_per_request : m.num_blocks;
+  kv_commit_params p;
+  static_cast<batch_kv&>(p) = make_batch_kv(cache, block_tables, blocks_per_request);
+  p.batch = batch;
   return p;
 }
 
