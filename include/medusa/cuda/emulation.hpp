@@ -4,7 +4,9 @@
 //! the CPU, one fiber per CUDA thread, so every kernel body executes in CI without a GPU.
 //!
 //! Blocks run one after another; inside a block, the threads are cooperative fibers that switch
-//! only at `sync()` and at warp operations, so the emulation is deterministic. A barrier that
+//! only at `sync()` and at warp operations, so the emulation is deterministic. On x86-64 a switch
+//! saves and restores the callee-saved registers itself (a few nanoseconds); elsewhere it goes
+//! through `swapcontext`, which also saves the signal mask with a system call. A barrier that
 //! some threads never reach (divergent `sync()`, a lane missing from a shuffle, a thread that
 //! returned early) is reported as `emulation_error` rather than hanging. Shared memory is filled
 //! with a poison pattern before each block, so a body that reads it before writing it gives wrong
@@ -21,7 +23,9 @@
 #include <medusa/cuda/launch.hpp>
 #include <medusa/error.hpp>
 
+#if !(defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__))
 #include <ucontext.h>
+#endif
 
 #include <cstddef>
 #include <cstdint>
@@ -45,6 +49,7 @@
 #define MEDUSA_EMULATION_ASAN 0
 #endif
 #if MEDUSA_EMULATION_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -61,6 +66,54 @@ class emulation_error : public std::logic_error, public medusa::error {
 
 namespace detail {
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
+#define MEDUSA_EMULATION_FAST_SWITCH 1
+// medusa_fiber_switch(&save_sp, load_sp): pushes the callee-saved registers and the SSE/x87
+// control words (System V ABI) on the current stack, stores the stack pointer in *save_sp,
+// switches to load_sp and pops the same frame there. A new fiber's stack holds such a frame
+// whose return address is its entry function. Defined in a COMDAT group, so that every
+// translation unit may carry it and the linker keeps one.
+asm(R"(
+  .pushsection .text.medusa_fiber_switch,"axG",@progbits,medusa_fiber_switch,comdat
+  .weak medusa_fiber_switch
+  .hidden medusa_fiber_switch
+  .type medusa_fiber_switch,@function
+  .p2align 4
+medusa_fiber_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size medusa_fiber_switch, .-medusa_fiber_switch
+  .popsection
+)");
+extern "C" void medusa_fiber_switch(void** save_sp, void* load_sp);
+// The saved state of a fiber or of the scheduler: its stack pointer.
+struct fiber_context {
+  void* sp = nullptr;
+};
+#else
+#define MEDUSA_EMULATION_FAST_SWITCH 0
+using fiber_context = ucontext_t;
+#endif
+
 inline constexpr std::size_t fiber_stack_bytes = MEDUSA_EMULATION_ASAN ? 256 * 1024 : 64 * 1024;
 
 // One block in flight: its fibers, barrier state and shared memory.
@@ -74,8 +127,8 @@ struct fiber_block {
   int threads = 0;
   int block_x = 0, block_y = 0, grid_x = 1, grid_y = 1;
   std::vector<unsigned char> shared;
-  std::vector<ucontext_t> fibers;
-  ucontext_t scheduler{};
+  std::vector<fiber_context> fibers;
+  fiber_context scheduler{};
   std::unique_ptr<unsigned char[]> stacks;
   std::vector<char> done;
   std::vector<warp_sync> warps;
@@ -99,7 +152,11 @@ struct fiber_block {
     void* fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, scheduler_stack, scheduler_stack_size);
 #endif
+#if MEDUSA_EMULATION_FAST_SWITCH
+    medusa_fiber_switch(&fibers[static_cast<std::size_t>(current)].sp, scheduler.sp);
+#else
     swapcontext(&fibers[static_cast<std::size_t>(current)], &scheduler);
+#endif
 #if MEDUSA_EMULATION_ASAN
     __sanitizer_finish_switch_fiber(fake, &scheduler_stack, &scheduler_stack_size);
 #endif
@@ -112,7 +169,11 @@ struct fiber_block {
     void* fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, stack_of(t), fiber_stack_bytes);
 #endif
+#if MEDUSA_EMULATION_FAST_SWITCH
+    medusa_fiber_switch(&scheduler.sp, fibers[static_cast<std::size_t>(t)].sp);
+#else
     swapcontext(&scheduler, &fibers[static_cast<std::size_t>(t)]);
+#endif
 #if MEDUSA_EMULATION_ASAN
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -173,9 +234,38 @@ inline void fiber_entry() {
 #if MEDUSA_EMULATION_ASAN
   __sanitizer_start_switch_fiber(nullptr, b->scheduler_stack, b->scheduler_stack_size);
 #endif
+#if MEDUSA_EMULATION_FAST_SWITCH
+  // Back to the scheduler for good: this fiber is never resumed.
+  void* unused = nullptr;
+  medusa_fiber_switch(&unused, b->scheduler.sp);
+  __builtin_unreachable();
+#endif
   // Returning switches to uc_link, the scheduler.
 }
 
+#if MEDUSA_EMULATION_FAST_SWITCH
+// A new fiber: its stack ends with the frame medusa_fiber_switch pops (control words, six
+// callee-saved registers) and the address of fiber_entry, which it "returns" to with the stack
+// aligned as after a call.
+inline void init_fiber(fiber_block& b, int t) {
+  auto top = reinterpret_cast<std::uintptr_t>(b.stack_of(t) + fiber_stack_bytes) & ~std::uintptr_t{15};
+  // 11 slots: the frame starts at 8 (mod 16), so fiber_entry starts with rsp ≡ 8 (mod 16), as after a call.
+  auto* frame = reinterpret_cast<std::uint64_t*>(top) - 11;
+#if MEDUSA_EMULATION_ASAN
+  // The previous fiber on this stack left fiber_entry's frame (it never returns) poisoned.
+  ASAN_UNPOISON_MEMORY_REGION(reinterpret_cast<void*>(top - 4096), 4096);
+#endif
+  std::uint32_t mxcsr = 0;
+  std::uint16_t fpcw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpcw));
+  frame[0] = static_cast<std::uint64_t>(mxcsr) | (static_cast<std::uint64_t>(fpcw) << 32);
+  for (int i = 1; i <= 6; ++i) frame[i] = 0;  // r15, r14, r13, r12, rbx, rbp
+  frame[7] = reinterpret_cast<std::uint64_t>(&fiber_entry);
+  frame[8] = frame[9] = frame[10] = 0;  // fiber_entry never returns
+  b.fibers[static_cast<std::size_t>(t)].sp = frame;
+}
+#else
 // Kept out of line: getcontext returns twice, which must not touch the caller's loop state.
 [[gnu::noinline]] inline void init_fiber(fiber_block& b, int t) {
   ucontext_t& f = b.fibers[static_cast<std::size_t>(t)];
@@ -185,6 +275,7 @@ inline void fiber_entry() {
   f.uc_link = &b.scheduler;
   makecontext(&f, fiber_entry, 0);
 }
+#endif
 
 }  // namespace detail
 
