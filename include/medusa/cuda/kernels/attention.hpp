@@ -1,0 +1,727 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file cuda/kernels/attention.hpp
+//! Tree attention of a batch of requests on the GPU: the kernel bodies, their plan, and the
+//! arguments. The same kernels serve plain decoding (one query per request), Medusa tree steps
+//! (N queries under the tree mask) and chunked prefill (causal), over the caches of `batch_kv.hpp`
+//! (contiguous or paged, f32/f16/bf16 K and V) with grouped-query heads. The CPU reference is
+//! `medusa::tree_attention` (attention.hpp); `cuda/attention.cuh` launches these bodies.
+//!
+//! Request b owns query rows `[qo_indptr[b], qo_indptr[b+1])` (FlashInfer's ragged layout): its
+//! `n_b` new tokens, whose K/V the engine has already written at slots `[L_b, L_b + n_b)` of its
+//! cache (`L_b = cache_lengths[b]`). Query i of the request sees every committed slot `[0, L_b)`
+//! and, among the new slots, what the mask says:
+//! - `causal`: new tokens `0..i` (prefill, decoding);
+//! - `tree`: the packed ancestor mask of `tree/mask.hpp` (`tree_mask_view` rows, one tree per
+//!   request or one for all);
+//! - `flashinfer`: FlashInfer's `MaskMode::kCustom` stream, the bit-packed `[n_b][L_b + n_b]`
+//!   matrix of each request at byte `mask_indptr[b]` (`write_full_row_stream_batch` writes it);
+//!   every bit is honoured, the prefix's included.
+//!
+//! Algorithm (one block per request × KV head × row tile × key split): the query rows of one KV
+//! head (its nodes × the query heads of the group) share every K/V tile the block loads; each warp
+//! owns up to 4 rows, each lane one key of a 32-key tile for the scores and 32-column slices of
+//! head_dim for P·V; softmax is online, in base 2. A row's keys are taken in position order, as
+//! they would sit in the cache had its ancestors been committed (the committed prefix, then the
+//! tree keys the row sees, in node order), cut into tiles at multiples of 32 and into splits at
+//! multiples of `kv_split`; splits are merged by a second kernel in split order. A row's result
+//! therefore has the same bits whether it is computed alone (plain decoding), in a tree or in a
+//! causal chunk: greedy Medusa decoding reproduces plain decoding exactly when the projections
+//! are batch-invariant too. Keep `kv_split` fixed in an engine for that reason.
+//!
+//! @code
+//! namespace mk = medusa::cuda::kernels;
+//! const mk::attention_plan plan = mk::plan_attention({.batch = B, .max_tokens = B * N,
+//!     .max_tokens_per_request = N, .max_kv_length = capacity, .num_q_heads = 32, .num_kv_heads = 8,
+//!     .head_dim = 128, .mask = mk::attention_mask_kind::tree});     // throws launch_error
+//! mk::attention_params<medusa::bfloat16, medusa::bfloat16> a;
+//! a.q = q;  a.q_row_stride = q_stride;  a.out = out;  a.out_row_stride = 32 * 128;
+//! a.qo_indptr = indptr;  a.cache_lengths = lengths;  a.kv = kv;  a.layer = layer;
+//! a.tree_mask = words;  a.words_per_row = 2;                           // one tree for all requests
+//! medusa::cuda::check(medusa::cuda::run(plan, a, workspace, plan.workspace_bytes, stream), "attention");
+//! @endcode
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/cuda/kernel_context.hpp>
+#include <medusa/cuda/kernels/batch_kv.hpp>
+#include <medusa/cuda/launch.hpp>
+#include <medusa/half.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+MEDUSA_NAMESPACE_BEGIN
+namespace cuda {
+namespace kernels {
+
+//! Keys per tile: one per lane of a warp.
+inline constexpr int attention_key_tile = warp_size;
+//! Most query rows one warp carries through a tile.
+inline constexpr int attention_rows_per_warp_max = 4;
+//! Warps of a main-kernel block; threads per block of both kernels.
+inline constexpr int attention_warps = 4;
+inline constexpr int attention_threads = attention_warps * warp_size;
+//! The largest head dimension the kernels take (each lane holds 4 columns at most).
+inline constexpr int attention_head_dim_max = 128;
+//! Dynamic shared memory a main-kernel block may use (the default limit of every device).
+inline constexpr std::size_t attention_shared_max = 48 * 1024;
+
+//! Which keys among the new tokens a query sees (see the file comment).
+enum class attention_mask_kind : std::int32_t { causal, tree, flashinfer };
+
+//! The name of an `attention_mask_kind`.
+[[nodiscard]] constexpr const char* to_string(attention_mask_kind k) noexcept {
+  return k == attention_mask_kind::causal ? "causal" : k == attention_mask_kind::tree ? "tree" : "flashinfer";
+}
+
+//! Sizes an attention plan is made for: the largest batch it will run (a run may hold fewer
+//! requests and tokens; the grid covers these bounds and idle blocks return at once).
+struct attention_problem {
+  int batch = 0;                   //!< most requests per run (B)
+  int max_tokens = 0;              //!< most query tokens per run (Σ n_b), which sizes the workspace
+  int max_tokens_per_request = 0;  //!< most query tokens of one request (n_b: tree nodes, chunk length)
+  int max_kv_length = 0;           //!< most keys of one request (L_b + n_b), e.g. the cache capacity
+  int num_q_heads = 0;             //!< query heads (a multiple of `num_kv_heads`)
+  int num_kv_heads = 0;            //!< KV heads
+  int head_dim = 0;                //!< elements of one head (at most `attention_head_dim_max`)
+  attention_mask_kind mask = attention_mask_kind::causal;  //!< how the new tokens see each other
+  //! Keys per split (a multiple of 32); 0 = chosen from `max_kv_length`. A row's result depends
+  //! on it, so an engine that wants plain and tree passes to agree bit for bit keeps it fixed.
+  int kv_split = 0;
+};
+
+//! Launch shapes and workspace of an attention run (made by `plan_attention`).
+struct attention_plan {
+  attention_problem problem;  //!< what it was planned for (`kv_split` resolved)
+  int group = 0;              //!< query heads per KV head (G)
+  int rows_per_warp = 0;      //!< query rows each warp carries (1..4)
+  int rows_per_block = 0;     //!< rows of one row tile (warps × rows_per_warp)
+  int row_tiles = 0;          //!< row tiles per request and KV head: ceil(max_tokens_per_request·G / rows_per_block)
+  int splits = 0;             //!< key splits per request at most: ceil(max_kv_length / kv_split)
+  int dim_chunks = 0;         //!< 32-column slices of head_dim each lane holds (1, 2 or 4)
+  launch_shape main;          //!< grid (row_tiles × splits, B × KV heads)
+  launch_shape merge;         //!< grid over max_tokens × query heads rows, one warp a row
+  std::size_t workspace_bytes = 0;  //!< partial outputs of rows with more than one split
+};
+
+//! Arguments of one attention run. Pointers are device memory (host memory for the emulation).
+//! @tparam KV the cache elements: float, medusa::half or medusa::bfloat16
+//! @tparam O the output elements: float or the same 16-bit type as the cache
+template <class KV, class O = float>
+struct attention_params {
+  const float* q = nullptr;         //!< token t's query heads at `q + t·q_row_stride`, `[num_q_heads][head_dim]`, RoPE applied
+  std::int64_t q_row_stride = 0;    //!< elements between tokens of `q` (≥ num_q_heads·head_dim)
+  O* out = nullptr;                 //!< token t's outputs at `out + t·out_row_stride`, `[num_q_heads][head_dim]`
+  std::int64_t out_row_stride = 0;  //!< elements between tokens of `out`
+  int batch = 0;                    //!< B (at most the plan's)
+  const std::int32_t* qo_indptr = nullptr;      //!< [B + 1] request b's tokens are `[qo_indptr[b], qo_indptr[b+1])`
+  const std::int32_t* cache_lengths = nullptr;  //!< [B] L_b: committed slots; its tokens are at `[L_b, L_b + n_b)`
+  batch_kv kv;                      //!< the caches (element size sizeof(KV))
+  int layer = 0;                    //!< layer of `kv` to read
+  float scale = 0.0f;               //!< multiplies q·k; 0 = 1/sqrt(head_dim)
+  // tree mask (`attention_mask_kind::tree`)
+  const std::uint32_t* tree_mask = nullptr;          //!< packed rows (tree/mask.hpp), `words_per_row` words each
+  int words_per_row = 0;                             //!< ≥ ceil(n_b / 32)
+  const std::int32_t* tree_mask_offsets = nullptr;   //!< [B] word where request b's row 0 starts; nullptr: 0 for all
+  // FlashInfer custom mask (`attention_mask_kind::flashinfer`)
+  const std::uint8_t* custom_mask = nullptr;  //!< request b's `[n_b][L_b + n_b]` bits from byte `mask_indptr[b]`
+  const std::int32_t* mask_indptr = nullptr;  //!< [B] byte offsets into `custom_mask`
+  // workspace, bound by `bind_attention_workspace`
+  float* partial_out = nullptr;  //!< [max_tokens][num_q_heads][splits][head_dim] unnormalised outputs
+  float* partial_ml = nullptr;   //!< [max_tokens][num_q_heads][splits][2] running max (base 2) and sum
+};
+
+namespace detail {
+
+[[noreturn]] inline void attention_fail(launch_errc code, const std::string& what) {
+  throw launch_error(code, "attention: " + what);
+}
+
+inline std::size_t attention_shared_bytes(int rows_per_block, int head_dim) noexcept {
+  const auto d = static_cast<std::size_t>(head_dim);
+  return (static_cast<std::size_t>(rows_per_block) * d        // scaled queries
+          + attention_key_tile * (d + 1)                       // K tile, padded against bank conflicts
+          + attention_key_tile * d) * sizeof(float)            // V tile
+         + attention_key_tile * sizeof(std::size_t);           // row offsets of the tile's keys
+}
+
+}  // namespace detail
+
+//! The default `kv_split` for caches of `max_kv_length` keys: about 8 splits at full length,
+//! between 128 and 4096 keys each, a multiple of 64.
+[[nodiscard]] constexpr int default_attention_kv_split(int max_kv_length) noexcept {
+  const int per = (max_kv_length + 7) / 8;
+  const int rounded = (per + 63) / 64 * 64;
+  return rounded < 128 ? 128 : rounded > 4096 ? 4096 : rounded;
+}
+
+//! Validates `p` and picks the launch shapes and workspace.
+//! @throws launch_error `invalid_shape` (non-positive sizes, query heads not a multiple of the KV
+//!         heads, a split that is not a positive multiple of 32, sizes whose products overflow),
+//!         `unsupported` (head_dim above 128)
+[[nodiscard]] inline attention_plan plan_attention(const attention_problem& p) {
+  using detail::attention_fail;
+  if (p.batch < 1 || p.max_tokens < 1 || p.max_tokens_per_request < 1 || p.max_kv_length < 1 || p.num_q_heads < 1 ||
+      p.num_kv_heads < 1 || p.head_dim < 1)
+    attention_fail(launch_errc::invalid_shape,
+                   "every size must be positive, got batch=" + std::to_string(p.batch) + " max_tokens=" +
+                       std::to_string(p.max_tokens) + " max_tokens_per_request=" + std::to_string(p.max_tokens_per_request) +
+                       " max_kv_length=" + std::to_string(p.max_kv_length) + " q_heads=" + std::to_string(p.num_q_heads) +
+                       " kv_heads=" + std::to_string(p.num_kv_heads) + " head_dim=" + std::to_string(p.head_dim));
+  if (p.num_q_heads % p.num_kv_heads != 0)
+    attention_fail(launch_errc::invalid_shape, std::to_string(p.num_q_heads) + " query heads are not a multiple of " +
+                                                   std::to_string(p.num_kv_heads) + " KV heads");
+  if (p.head_dim > attention_head_dim_max)
+    attention_fail(launch_errc::unsupported, "head_dim " + std::to_string(p.head_dim) + " (at most " +
+                                                 std::to_string(attention_head_dim_max) + ")");
+  if (p.max_tokens_per_request > p.max_tokens)
+    attention_fail(launch_errc::invalid_shape, "max_tokens_per_request " + std::to_string(p.max_tokens_per_request) +
+                                                   " exceeds max_tokens " + std::to_string(p.max_tokens));
+  if (p.max_tokens_per_request > p.max_kv_length)
+    attention_fail(launch_errc::invalid_shape, "max_tokens_per_request " + std::to_string(p.max_tokens_per_request) +
+                                                   " exceeds max_kv_length " + std::to_string(p.max_kv_length));
+  if (p.mask != attention_mask_kind::causal && p.mask != attention_mask_kind::tree &&
+      p.mask != attention_mask_kind::flashinfer)
+    attention_fail(launch_errc::invalid_shape, "unknown mask kind " + std::to_string(static_cast<int>(p.mask)));
+  attention_plan plan;
+  plan.problem = p;
+  if (plan.problem.kv_split == 0) plan.problem.kv_split = default_attention_kv_split(p.max_kv_length);
+  const int split = plan.problem.kv_split;
+  if (split < attention_key_tile || split % attention_key_tile != 0)
+    attention_fail(launch_errc::invalid_shape,
+                   "kv_split " + std::to_string(split) + " is not a positive multiple of " + std::to_string(attention_key_tile));
+  plan.group = p.num_q_heads / p.num_kv_heads;
+  plan.dim_chunks = p.head_dim <= 32 ? 1 : p.head_dim <= 64 ? 2 : 4;
+  const std::int64_t rows = std::int64_t{p.max_tokens_per_request} * plan.group;
+  plan.rows_per_warp = static_cast<int>(std::clamp<std::int64_t>((rows + attention_warps - 1) / attention_warps, 1,
+                                                                  attention_rows_per_warp_max));
+  while (plan.rows_per_warp > 1 &&
+         detail::attention_shared_bytes(plan.rows_per_warp * attention_warps, p.head_dim) > attention_shared_max)
+    --plan.rows_per_warp;
+  plan.rows_per_block = plan.rows_per_warp * attention_warps;
+  const std::int64_t tiles = (rows + plan.rows_per_block - 1) / plan.rows_per_block;
+  plan.splits = (p.max_kv_length + split - 1) / split;
+  const std::int64_t grid_x = tiles * plan.splits;
+  const std::int64_t grid_y = std::int64_t{p.batch} * p.num_kv_heads;
+  const std::int64_t merge_rows = std::int64_t{p.max_tokens} * p.num_q_heads;
+  if (grid_x > std::numeric_limits<int>::max() || grid_y > 65535 || merge_rows > std::numeric_limits<int>::max() / 2)
+    attention_fail(launch_errc::invalid_shape, "grid of " + std::to_string(grid_x) + " x " + std::to_string(grid_y) +
+                                                   " blocks (" + std::to_string(merge_rows) + " query rows) is too large");
+  plan.row_tiles = static_cast<int>(tiles);
+  plan.main = {.grid_x = static_cast<int>(grid_x),
+               .grid_y = static_cast<int>(grid_y),
+               .threads = attention_threads,
+               .shared_bytes = detail::attention_shared_bytes(plan.rows_per_block, p.head_dim)};
+  plan.merge = {.grid_x = static_cast<int>((merge_rows + attention_warps - 1) / attention_warps),
+                .grid_y = 1,
+                .threads = attention_threads,
+                .shared_bytes = 0};
+  if (plan.splits > 1) {
+    const auto per_row = static_cast<std::size_t>(plan.splits);
+    const auto n = static_cast<std::size_t>(merge_rows) * per_row;
+    plan.workspace_bytes = workspace_carver::round_up(n * static_cast<std::size_t>(p.head_dim) * sizeof(float)) +
+                           workspace_carver::round_up(n * 2 * sizeof(float));
+  }
+  return plan;
+}
+
+//! Points the workspace fields of `a` into `workspace` as `plan` sized it. False (nothing bound)
+//! when the workspace is null or short while the plan needs one.
+template <class KV, class O>
+[[nodiscard]] bool bind_attention_workspace(const attention_plan& plan, attention_params<KV, O>& a, void* workspace,
+                                            std::size_t workspace_bytes) noexcept {
+  if (plan.workspace_bytes == 0) {
+    a.partial_out = nullptr;
+    a.partial_ml = nullptr;
+    return true;
+  }
+  const auto n = static_cast<std::size_t>(plan.problem.max_tokens) * static_cast<std::size_t>(plan.problem.num_q_heads) *
+                 static_cast<std::size_t>(plan.splits);
+  workspace_carver carve(workspace, workspace_bytes);
+  float* o = carve.take<float>(n * static_cast<std::size_t>(plan.problem.head_dim));
+  float* ml = carve.take<float>(n * 2);
+  if (!carve.ok()) return false;
+  a.partial_out = o;
+  a.partial_ml = ml;
+  return true;
+}
+
+//! Checks the arguments of a run against its plan on the host (sizes, not the data): the cache
+//! geometry and element size, head counts, the mask fields the plan's kind needs.
+//! @throws launch_error `invalid_shape` naming the first mismatch
+template <class KV, class O>
+void check_attention_args(const attention_plan& plan, const attention_params<KV, O>& a) {
+  using detail::attention_fail;
+  check_batch_kv(a.kv, "attention");
+  const attention_problem& p = plan.problem;
+  if (a.kv.element_bytes != static_cast<int>(sizeof(KV)))
+    attention_fail(launch_errc::invalid_shape, "cache elements of " + std::to_string(a.kv.element_bytes) +
+                                                   " bytes, the kernel reads " + std::to_string(sizeof(KV)));
+  if (a.kv.shape.num_kv_heads != p.num_kv_heads || a.kv.shape.head_dim != p.head_dim)
+    attention_fail(launch_errc::invalid_shape, "cache of " + std::to_string(a.kv.shape.num_kv_heads) + " KV heads x " +
+                                                   std::to_string(a.kv.shape.head_dim) + " for a plan of " +
+                                                   std::to_string(p.num_kv_heads) + " x " + std::to_string(p.head_dim));
+  if (a.layer < 0 || a.layer >= a.kv.shape.num_layers)
+    attention_fail(launch_errc::invalid_shape, "layer " + std::to_string(a.layer) + " outside [0, " +
+                                                   std::to_string(a.kv.shape.num_layers) + ")");
+  if (a.batch < 1 || a.batch > p.batch)
+    attention_fail(launch_errc::invalid_shape, "batch of " + std::to_string(a.batch) + " for a plan of " +
+                                                   std::to_string(p.batch));
+  const std::int64_t width = std::int64_t{p.num_q_heads} * p.head_dim;
+  if (a.q_row_stride < width || a.out_row_stride < width)
+    attention_fail(launch_errc::invalid_shape, "row strides " + std::to_string(a.q_row_stride) + " (q) and " +
+                                                   std::to_string(a.out_row_stride) + " (out) are below heads x head_dim = " +
+                                                   std::to_string(width));
+  if (!(std::isfinite(a.scale)) || a.scale < 0.0f)
+    attention_fail(launch_errc::invalid_shape, "scale " + std::to_string(a.scale) + " is not a finite value >= 0");
+  if (p.mask == attention_mask_kind::tree &&
+      (a.words_per_row < (p.max_tokens_per_request + 31) / 32 || a.words_per_row < 1))
+    attention_fail(launch_errc::invalid_shape, "tree mask of " + std::to_string(a.words_per_row) +
+                                                   " words per row for up to " + std::to_string(p.max_tokens_per_request) +
+                                                   " nodes");
+}
+
+namespace detail {
+
+// Bit helpers with the device's instructions.
+MEDUSA_KERNEL_FN int attention_popcount(std::uint32_t x) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __popc(x);
+#else
+  return std::popcount(x);
+#endif
+}
+MEDUSA_KERNEL_FN int attention_lowest_bit(std::uint32_t x) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __ffs(static_cast<int>(x)) - 1;
+#else
+  return std::countr_zero(x);
+#endif
+}
+
+// a·b + c rounded once, the same on both sides.
+MEDUSA_KERNEL_FN float attention_fma(float a, float b, float c) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+MEDUSA_KERNEL_FN float attention_max(float a, float b) noexcept { return a > b ? a : b; }
+
+inline constexpr float attention_neg_inf = -std::numeric_limits<float>::infinity();
+inline constexpr float attention_log2e = 1.44269504088896341f;  // scores are kept in base-2 units
+
+// What a block knows of its request.
+struct attention_request {
+  int b = 0;       // request
+  int g = 0;       // KV head
+  int first = 0;   // its first token (row of q / out)
+  int tokens = 0;  // n_b
+  int length = 0;  // L_b
+};
+
+// The packed mask row of node i of request r (tree masks).
+template <class KV, class O>
+MEDUSA_KERNEL_FN const std::uint32_t* attention_tree_row(const attention_params<KV, O>& a, const attention_request& r,
+                                                         int i) noexcept {
+  const std::size_t base = a.tree_mask_offsets == nullptr ? 0 : static_cast<std::size_t>(a.tree_mask_offsets[r.b]);
+  return a.tree_mask + base + static_cast<std::size_t>(i) * static_cast<std::size_t>(a.words_per_row);
+}
+
+// Visible tree keys of node i (its mask bits among the request's nodes).
+template <class KV, class O>
+MEDUSA_KERNEL_FN int attention_tree_count(const attention_params<KV, O>& a, const attention_request& r, int i) noexcept {
+  const std::uint32_t* row = attention_tree_row(a, r, i);
+  int count = 0;
+  for (int w = 0; w * 32 < r.tokens; ++w) {
+    std::uint32_t bits = row[w];
+    if (r.tokens - w * 32 < 32) bits &= (1u << (r.tokens - w * 32)) - 1u;
+    count += attention_popcount(bits);
+  }
+  return count;
+}
+
+// The node of node i's `rank`-th visible tree key (rank < attention_tree_count).
+template <class KV, class O>
+MEDUSA_KERNEL_FN int attention_tree_select(const attention_params<KV, O>& a, const attention_request& r, int i,
+                                           int rank) noexcept {
+  const std::uint32_t* row = attention_tree_row(a, r, i);
+  for (int w = 0; w * 32 < r.tokens; ++w) {
+    std::uint32_t bits = row[w];
+    if (r.tokens - w * 32 < 32) bits &= (1u << (r.tokens - w * 32)) - 1u;
+    const int c = attention_popcount(bits);
+    if (rank < c) {
+      for (; rank > 0; --rank) bits &= bits - 1u;
+      return w * 32 + attention_lowest_bit(bits);
+    }
+    rank -= c;
+  }
+  return -1;
+}
+
+// Keys of query i in position order: what a row sees, and so how many splits it spans.
+template <class Mask, class KV, class O>
+MEDUSA_KERNEL_FN int attention_key_count(const attention_params<KV, O>& a, const attention_request& r, int i) noexcept {
+  if constexpr (Mask::value == attention_mask_kind::causal) return r.length + i + 1;
+  else if constexpr (Mask::value == attention_mask_kind::tree) return r.length + attention_tree_count(a, r, i);
+  else return r.length + r.tokens;  // custom masks: every slot, each tested against its bit
+}
+
+// Whether query i sees slot `key` under a FlashInfer custom mask.
+template <class KV, class O>
+MEDUSA_KERNEL_FN bool attention_custom_bit(const attention_params<KV, O>& a, const attention_request& r, int i,
+                                           int key) noexcept {
+  const std::uint64_t bit = static_cast<std::uint64_t>(i) * static_cast<std::uint64_t>(r.length + r.tokens) +
+                            static_cast<std::uint64_t>(key);
+  const std::uint8_t byte = a.custom_mask[static_cast<std::size_t>(a.mask_indptr[r.b]) + static_cast<std::size_t>(bit >> 3)];
+  return ((byte >> (bit & 7u)) & 1u) != 0;
+}
+
+// The request of token t: the last b with qo_indptr[b] <= t (binary search).
+template <class KV, class O>
+MEDUSA_KERNEL_FN int attention_request_of(const attention_params<KV, O>& a, int t) noexcept {
+  int lo = 0, hi = a.batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a.qo_indptr[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// One query row's running state: max and sum (base 2), this lane's output columns.
+template <int DC>
+struct attention_row_state {
+  float m = attention_neg_inf;
+  float l = 0.0f;
+  float o[DC] = {};
+};
+
+// Sum of a value over the warp; every lane gets the same bits (each level adds the same pair).
+template <class Ctx>
+MEDUSA_KERNEL_FN float attention_warp_sum(Ctx& ctx, float v) {
+  MEDUSA_UNROLL
+  for (int m = warp_size / 2; m > 0; m /= 2) v += ctx.shfl_xor(v, m);
+  return v;
+}
+template <class Ctx>
+MEDUSA_KERNEL_FN float attention_warp_max(Ctx& ctx, float v) {
+  MEDUSA_UNROLL
+  for (int m = warp_size / 2; m > 0; m /= 2) v = attention_max(v, ctx.shfl_xor(v, m));
+  return v;
+}
+
+// One 32-key tile of one row: lane j holds the score of key j (base-2 units; `valid` false for a
+// key the row does not see), `row_of(j)` gives key j's V row (called by every lane for every j, so
+// it may use warp operations). The only place the softmax and P·V are computed, so a key
+// contributes the same bits from every path.
+template <int DC, class Ctx, class RowOf>
+MEDUSA_KERNEL_FN void attention_tile(Ctx& ctx, attention_row_state<DC>& s, float score, bool valid, int head_dim,
+                                     RowOf&& row_of) {
+  const std::uint32_t seen = ctx.ballot(valid);
+  if (seen == 0) return;
+  const bool nan = valid && score != score;
+  if (ctx.ballot(nan) != 0) s.l = std::numeric_limits<float>::quiet_NaN();  // a NaN score poisons the row, as on the CPU
+  // NaN kept out of the max, so that every lane agrees on it (and on the return below).
+  const float tile_max = attention_warp_max(ctx, valid && !nan ? score : attention_neg_inf);
+  if (!(tile_max > attention_neg_inf)) return;  // every visible score is -inf (or NaN, flagged above)
+  const float m_new = attention_max(s.m, tile_max);
+  const float alpha = s.m == attention_neg_inf ? 0.0f : exp2f(s.m - m_new);
+  const float p = valid ? exp2f(score - m_new) : 0.0f;
+  const float sum = attention_warp_sum(ctx, p);
+  s.l = s.l * alpha + sum;
+  s.m = m_new;
+  MEDUSA_UNROLL
+  for (int c = 0; c < DC; ++c) s.o[c] *= alpha;
+  for (int j = 0; j < attention_key_tile; ++j) {
+    const float pj = ctx.shfl(p, j);
+    const auto row = row_of(j);
+    if (((seen >> j) & 1u) == 0) continue;  // the same for every lane
+    MEDUSA_UNROLL
+    for (int c = 0; c < DC; ++c) {
+      const int d = ctx.lane() + c * warp_size;
+      if (d < head_dim) s.o[c] = attention_fma(pj, load_float(row[d]), s.o[c]);
+    }
+  }
+}
+
+// q · k over head_dim in order of d, one rounding per step.
+template <class K>
+MEDUSA_KERNEL_FN float attention_dot(const float* q, K&& k, int head_dim) noexcept {
+  float s = 0.0f;
+  for (int d = 0; d < head_dim; ++d) s = attention_fma(q[d], k(d), s);
+  return s;
+}
+
+template <attention_mask_kind M>
+struct attention_mask_tag {
+  static constexpr attention_mask_kind value = M;
+};
+
+}  // namespace detail
+
+//! The main kernel body (launch shape `plan.main`): block (x, y) takes request y / KV heads, KV
+//! head y mod KV heads, row tile x / splits and key split x mod splits. A row whose keys fit one
+//! split writes its output; the others write their split's partial output for `attention_merge`.
+//! @tparam DC 32-column slices of head_dim per lane (`plan.dim_chunks`)
+template <int DC, class Mask, class Ctx, class KV, class O>
+MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, const attention_params<KV, O>& a) {
+  using namespace detail;
+  constexpr int RW = attention_rows_per_warp_max;
+  constexpr int KT = attention_key_tile;
+  const int hkv = plan.problem.num_kv_heads;
+  const int D = plan.problem.head_dim;
+  const int G = plan.group;
+  const int split = plan.problem.kv_split;
+  attention_request r;
+  r.b = ctx.block_y() / hkv;
+  r.g = ctx.block_y() % hkv;
+  if (r.b >= a.batch) return;
+  r.first = a.qo_indptr[r.b];
+  r.tokens = a.qo_indptr[r.b + 1] - r.first;
+  r.length = a.cache_lengths[r.b];
+  const int tile = ctx.block_x() / plan.splits;
+  const int c = ctx.block_x() % plan.splits;
+  const int R = plan.rows_per_block;
+  const int row0 = tile * R;
+  const int rows = r.tokens * G;
+  if (r.tokens <= 0 || row0 >= rows || r.length < 0) return;  // the same for every thread
+  const int key_end = r.length + r.tokens;                      // slots the request has written
+  // A request beyond the plan's bounds is left alone: its splits or rows would not fit the grid
+  // and the workspace (the host launchers check what they can see).
+  if (r.first + r.tokens > plan.problem.max_tokens || r.tokens > plan.problem.max_tokens_per_request ||
+      key_end > plan.problem.max_kv_length)
+    return;
+  const int split_begin = c * split;
+  if (split_begin >= key_end) return;
+  const int split_end = split_begin + split;
+
+  // Shared: scaled queries [R][D], the K tile [KT][D+1], the V tile [KT][D], the tile's row offsets.
+  auto* const q_s = static_cast<float*>(ctx.shared());
+  float* const k_s = q_s + static_cast<std::size_t>(R) * static_cast<std::size_t>(D);
+  float* const v_s = k_s + static_cast<std::size_t>(KT) * static_cast<std::size_t>(D + 1);
+  auto* const off_s = reinterpret_cast<std::size_t*>(v_s + static_cast<std::size_t>(KT) * static_cast<std::size_t>(D));
+  const float scale = (a.scale > 0.0f ? a.scale : 1.0f / sqrtf(static_cast<float>(D))) * attention_log2e;
+  for (int e = ctx.thread(); e < R * D; e += ctx.threads()) {
+    const int lr = e / D, d = e % D;
+    const int row = row0 + lr;
+    float x = 0.0f;
+    if (row < rows) {
+      const int i = row / G, h = r.g * G + row % G;
+      x = a.q[static_cast<std::size_t>(r.first + i) * static_cast<std::size_t>(a.q_row_stride) +
+              static_cast<std::size_t>(h) * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)] *
+          scale;
+    }
+    q_s[e] = x;
+  }
+  ctx.sync();
+
+  // This warp's rows.
+  const KV* const kg = static_cast<const KV*>(a.kv.k);
+  const KV* const vg = static_cast<const KV*>(a.kv.v);
+  attention_row_state<DC> st[RW];
+  int node[RW], keys[RW];
+  bool live[RW];
+  int keys_max = 0;  // over the block's rows
+  for (int j = 0; j < RW; ++j) {
+    const int lr = ctx.warp() * plan.rows_per_warp + j;
+    live[j] = j < plan.rows_per_warp && row0 + lr < rows;
+    node[j] = live[j] ? (row0 + lr) / G : 0;
+    keys[j] = live[j] ? attention_key_count<Mask>(a, r, node[j]) : 0;
+  }
+  {
+    // The most keys of any row of the block: the shared-tile range of causal and custom masks.
+    const int last_row = std::min(rows, row0 + R) - 1;
+    keys_max = Mask::value == attention_mask_kind::causal ? r.length + last_row / G + 1 : key_end;
+  }
+  // Tiles every row reads in slot order, from shared memory: the committed prefix's whole tiles
+  // (tree), or every slot (causal, custom). Tree rows then read their own tail (below).
+  const int shared_end = Mask::value == attention_mask_kind::tree ? r.length / KT * KT : keys_max;
+  const int phase1_end = std::min(split_end, shared_end);
+  for (int t0 = split_begin; t0 < phase1_end; t0 += KT) {
+    ctx.sync();  // the previous tile is no longer read
+    if (ctx.thread() < KT) {
+      const int slot = t0 + ctx.thread();
+      off_s[ctx.thread()] = slot < key_end && batch_kv_slot_ok(a.kv, r.b, slot)
+                                ? batch_kv_row_offset(a.kv, r.b, a.layer, slot, r.g)
+                                : ~std::size_t{0};
+    }
+    ctx.sync();
+    for (int e = ctx.thread(); e < KT * D; e += ctx.threads()) {
+      const int j = e / D, d = e % D;
+      const std::size_t off = off_s[j];
+      const bool ok = off != ~std::size_t{0};
+      k_s[j * (D + 1) + d] = ok ? load_float(kg[off + static_cast<std::size_t>(d)]) : 0.0f;
+      v_s[j * D + d] = ok ? load_float(vg[off + static_cast<std::size_t>(d)]) : 0.0f;
+    }
+    ctx.sync();
+    const int key = t0 + ctx.lane();
+    const bool in_tile = off_s[ctx.lane()] != ~std::size_t{0};
+    // Scores of the warp's rows, K read once for all of them.
+    float score[RW];
+    for (int j = 0; j < RW; ++j) score[j] = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      const float kd = k_s[ctx.lane() * (D + 1) + d];
+      for (int j = 0; j < RW; ++j)
+        score[j] = attention_fma(q_s[(ctx.warp() * plan.rows_per_warp + j) * D + d], kd, score[j]);
+    }
+    for (int j = 0; j < RW; ++j) {
+      if (!live[j]) continue;  // the same for the whole warp
+      bool valid = in_tile && key < keys[j];
+      if constexpr (Mask::value == attention_mask_kind::flashinfer)
+        valid = in_tile && key < key_end && attention_custom_bit(a, r, node[j], key);
+      attention_tile<DC>(ctx, st[j], score[j], valid, D, [&](int kj) -> const float* { return v_s + kj * D; });
+    }
+  }
+  // Tree rows past the shared tiles: the row's own keys in position order (the rest of the
+  // prefix, then its visible tree keys), read from the cache.
+  if constexpr (Mask::value == attention_mask_kind::tree) {
+    for (int j = 0; j < RW; ++j) {
+      if (!live[j]) continue;
+      const float* const q = q_s + (ctx.warp() * plan.rows_per_warp + j) * D;
+      const int end = std::min(split_end, keys[j]);
+      for (int t0 = std::max(split_begin, shared_end); t0 < end; t0 += KT) {
+        const int key = t0 + ctx.lane();
+        int slot = -1;
+        if (key < end) slot = key < r.length ? key : r.length + attention_tree_select(a, r, node[j], key - r.length);
+        const bool valid = slot >= 0 && slot < key_end && batch_kv_slot_ok(a.kv, r.b, slot);
+        const std::size_t off = valid ? batch_kv_row_offset(a.kv, r.b, a.layer, slot, r.g) : 0;
+        const float score = valid ? attention_dot(q, [&](int d) { return load_float(kg[off + static_cast<std::size_t>(d)]); }, D)
+                                  : 0.0f;
+        attention_tile<DC>(ctx, st[j], score, valid, D, [&](int kj) -> const KV* { return vg + ctx.shfl(off, kj); });
+      }
+    }
+  }
+  // Results: the output when the row's keys fit one split, else this split's partial.
+  for (int j = 0; j < RW; ++j) {
+    if (!live[j]) continue;
+    const int nsplits = (keys[j] + split - 1) / split;
+    if (c >= nsplits) continue;
+    const int t = r.first + node[j];
+    const int h = r.g * G + (row0 + ctx.warp() * plan.rows_per_warp + j) % G;
+    if (nsplits == 1) {
+      O* dst = a.out + static_cast<std::size_t>(t) * static_cast<std::size_t>(a.out_row_stride) +
+               static_cast<std::size_t>(h) * static_cast<std::size_t>(D);
+      const float l = st[j].l;
+      MEDUSA_UNROLL
+      for (int cc = 0; cc < DC; ++cc) {
+        const int d = ctx.lane() + cc * warp_size;
+        if (d < D) dst[d] = store_float<O>(l > 0.0f || l != l ? st[j].o[cc] / l : 0.0f);
+      }
+    } else {
+      const std::size_t cell = (static_cast<std::size_t>(t) * static_cast<std::size_t>(plan.problem.num_q_heads) +
+                                static_cast<std::size_t>(h)) * static_cast<std::size_t>(plan.splits) +
+                               static_cast<std::size_t>(c);
+      float* po = a.partial_out + cell * static_cast<std::size_t>(D);
+      MEDUSA_UNROLL
+      for (int cc = 0; cc < DC; ++cc) {
+        const int d = ctx.lane() + cc * warp_size;
+        if (d < D) po[d] = st[j].o[cc];
+      }
+      if (ctx.lane() == 0) {
+        a.partial_ml[2 * cell] = st[j].m;
+        a.partial_ml[2 * cell + 1] = st[j].l;
+      }
+    }
+  }
+}
+
+//! The merge body (launch shape `plan.merge`): one warp per (token, query head) row whose keys
+//! span several splits combines the splits' partial outputs in split order.
+template <int DC, class Mask, class Ctx, class KV, class O>
+MEDUSA_KERNEL_FN void attention_merge_with(Ctx& ctx, const attention_plan& plan, const attention_params<KV, O>& a) {
+  using namespace detail;
+  const int hq = plan.problem.num_q_heads;
+  const int D = plan.problem.head_dim;
+  const int row = ctx.block_x() * attention_warps + ctx.warp();
+  const int total = a.qo_indptr[a.batch];
+  if (row >= total * hq) return;  // whole warps leave together
+  const int t = row / hq, h = row % hq;
+  attention_request r;
+  r.b = attention_request_of(a, t);
+  r.first = a.qo_indptr[r.b];
+  r.tokens = a.qo_indptr[r.b + 1] - r.first;
+  r.length = a.cache_lengths[r.b];
+  if (r.length < 0 || r.tokens > plan.problem.max_tokens_per_request || r.first + r.tokens > plan.problem.max_tokens ||
+      r.length + r.tokens > plan.problem.max_kv_length)
+    return;  // skipped by the main kernel as well
+  const int split = plan.problem.kv_split;
+  const int nsplits = (attention_key_count<Mask>(a, r, t - r.first) + split - 1) / split;
+  if (nsplits <= 1) return;
+  const std::size_t cell0 = (static_cast<std::size_t>(t) * static_cast<std::size_t>(hq) + static_cast<std::size_t>(h)) *
+                            static_cast<std::size_t>(plan.splits);
+  float m = attention_neg_inf;
+  for (int c = 0; c < nsplits; ++c) m = attention_max(m, a.partial_ml[2 * (cell0 + static_cast<std::size_t>(c))]);
+  float l = 0.0f;
+  float o[DC] = {};
+  bool nan = false;
+  for (int c = 0; c < nsplits; ++c) {
+    const std::size_t cell = cell0 + static_cast<std::size_t>(c);
+    const float mc = a.partial_ml[2 * cell], lc = a.partial_ml[2 * cell + 1];
+    if (lc != lc) nan = true;
+    if (!(mc > attention_neg_inf)) continue;  // a split that saw nothing
+    const float w = exp2f(mc - m);
+    l = attention_fma(lc, w, l);
+    const float* po = a.partial_out + cell * static_cast<std::size_t>(D);
+    MEDUSA_UNROLL
+    for (int cc = 0; cc < DC; ++cc) {
+      const int d = ctx.lane() + cc * warp_size;
+      if (d < D) o[cc] = attention_fma(po[d], w, o[cc]);
+    }
+  }
+  if (nan) l = std::numeric_limits<float>::quiet_NaN();
+  O* dst = a.out + static_cast<std::size_t>(t) * static_cast<std::size_t>(a.out_row_stride) +
+           static_cast<std::size_t>(h) * static_cast<std::size_t>(D);
+  MEDUSA_UNROLL
+  for (int cc = 0; cc < DC; ++cc) {
+    const int d = ctx.lane() + cc * warp_size;
+    if (d < D) dst[d] = store_float<O>(l > 0.0f || l != l ? o[cc] / l : 0.0f);
+  }
+}
+
+//! Calls `f(std::integral_constant<int, DC>{}, detail::attention_mask_tag<kind>{})` for the plan's
+//! head-dim slices and mask kind: the one place the run-time choices become template arguments.
+template <class F>
+decltype(auto) with_attention_variant(const attention_plan& plan, F&& f) {
+  auto by_mask = [&](auto dc) -> decltype(auto) {
+    switch (plan.problem.mask) {
+      case attention_mask_kind::tree: return f(dc, detail::attention_mask_tag<attention_mask_kind::tree>{});
+      case attention_mask_kind::flashinfer: return f(dc, detail::attention_mask_tag<attention_mask_kind::flashinfer>{});
+      default: return f(dc, detail::attention_mask_tag<attention_mask_kind::causal>{});
+    }
+  };
+  switch (plan.dim_chunks) {
+    case 1: return by_mask(std::integral_constant<int, 1>{});
+    case 2: return by_mask(std::integral_constant<int, 2>{});
+    default: return by_mask(std::integral_constant<int, 4>{});
+  }
+}
+
+//! The main body for any plan, dispatched on the host (for the emulation; device launchers
+//! instantiate `attention_main_with` per variant).
+template <class Ctx, class KV, class O>
+void attention_main(Ctx& ctx, const attention_plan& plan, const attention_params<KV, O>& a) {
+  with_attention_variant(plan, [&](auto dc, auto mask) {
+    attention_main_with<decltype(dc)::value, decltype(mask)>(ctx, plan, a);
+  });
+}
+
+//! The merge body for any plan, dispatched on the host (for the emulation).
+template <class Ctx, class KV, class O>
+void attention_merge(Ctx& ctx, const attention_plan& plan, const attention_params<KV, O>& a) {
+  with_attention_variant(plan, [&](auto dc, auto mask) {
+    attention_merge_with<decltype(dc)::value, decltype(mask)>(ctx, plan, a);
+  });
+}
+
+}  // namespace kernels
+}  // namespace cuda
+MEDUSA_NAMESPACE_END

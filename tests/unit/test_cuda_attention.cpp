@@ -1,0 +1,674 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA tree-attention kernel bodies, run by the host emulation, against the CPU library's
+// `tree_attention` and a double-precision reference: batches of requests with their own lengths
+// and trees, every preset, causal chunks, FlashInfer custom masks, contiguous and paged caches,
+// f32/f16/bf16 K and V, grouped-query heads, one split and many. And the property the kernels
+// are built for: a row has the same bits alone (plain decoding after its ancestors were
+// committed), in a tree and in a causal chunk.
+#include <doctest/doctest.h>
+#include <medusa/attention.hpp>
+#include <medusa/cuda/emulation.hpp>
+#include <medusa/cuda/kernels/attention.hpp>
+#include <medusa/kv_cache.hpp>
+#include <medusa/tree.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+namespace mc = medusa::cuda;
+namespace mk = medusa::cuda::kernels;
+using mk::attention_mask_kind;
+
+namespace {
+
+std::vector<int> random_parents(std::mt19937& rng, int n) {
+  std::vector<int> p(static_cast<std::size_t>(n), -1);
+  for (int i = 1; i < n; ++i) {
+    const int lo = (i % 5 == 0) ? i - 1 : 0;  // shallow and wide, with some chains
+    p[static_cast<std::size_t>(i)] = std::uniform_int_distribution<int>(lo, i - 1)(rng);
+  }
+  return p;
+}
+
+std::vector<int> parents_of(const medusa::tree& t) {
+  std::vector<int> p(static_cast<std::size_t>(t.num_nodes()));
+  for (int u = 0; u < t.num_nodes(); ++u) p[static_cast<std::size_t>(u)] = u == 0 ? -1 : t.parent(u);
+  return p;
+}
+
+// Packed ancestor-or-self rows, `wpr` words each.
+std::vector<std::uint32_t> packed_mask(const std::vector<int>& parents, int wpr) {
+  const int n = static_cast<int>(parents.size());
+  std::vector<std::uint32_t> w(static_cast<std::size_t>(n * wpr), 0u);
+  for (int i = 0; i < n; ++i)
+    for (int u = i; u >= 0; u = parents[static_cast<std::size_t>(u)])
+      w[static_cast<std::size_t>(i * wpr + u / 32)] |= 1u << (u % 32);
+  return w;
+}
+
+// One request of a batch: committed length, new tokens and (tree masks) the tree's parents.
+struct request {
+  int L = 0;
+  int n = 1;
+  std::vector<int> parents;  // empty: causal
+};
+
+struct shape {
+  int hq = 2, hkv = 1, dim = 16, layers = 2, layer = 1;
+  int capacity = 128;  // slots per request
+  int page_size = 0;   // 0: contiguous
+  int kv_split = 0;
+  attention_mask_kind mask = attention_mask_kind::tree;
+};
+
+// A batch's caches, queries and masks in host memory, with the emulated kernels and the
+// references over the same bytes.
+template <class KV>
+struct batch_fixture {
+  shape s;
+  std::vector<request> req;
+  int B = 0, T = 0, wpr = 1, q_stride = 0, out_stride = 0;
+  std::vector<KV> k, v;
+  std::vector<std::int32_t> slot_bases, tables, indptr, lengths, mask_offsets, mask_indptr;
+  std::vector<std::uint32_t> words;
+  std::vector<std::uint8_t> custom;
+  std::vector<float> q;
+  int num_pages = 0, blocks = 0;
+  bool shared_mask = false;  // one tree for all requests: no per-request mask offsets
+
+  batch_fixture(const shape& sh, std::vector<request> rs, std::mt19937& rng) : s(sh), req(std::move(rs)) {
+    B = static_cast<int>(req.size());
+    indptr.assign(1, 0);
+    for (const request& r : req) {
+      indptr.push_back(indptr.back() + r.n);
+      lengths.push_back(r.L);
+    }
+    T = indptr.back();
+    q_stride = s.hq * s.dim + 5;  // rows further apart than one token's heads
+    out_stride = s.hq * s.dim + 3;
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    const std::size_t row = static_cast<std::size_t>(s.hkv * s.dim);
+    if (s.page_size == 0) {
+      const std::size_t slots = static_cast<std::size_t>(B * s.capacity);
+      k.resize(static_cast<std::size_t>(s.layers) * slots * row);
+      for (int b = 0; b < B; ++b) slot_bases.push_back(b * s.capacity);
+    } else {
+      blocks = (s.capacity + s.page_size - 1) / s.page_size;
+      num_pages = B * blocks + 3;
+      k.resize(static_cast<std::size_t>(s.layers * num_pages * s.page_size) * row);
+      std::vector<std::int32_t> pages(static_cast<std::size_t>(num_pages));
+      std::iota(pages.begin(), pages.end(), 0);
+      std::shuffle(pages.begin(), pages.end(), rng);
+      tables.assign(pages.begin(), pages.begin() + B * blocks);
+    }
+    v.resize(k.size());
+    for (auto& x : k) x = KV(u(rng));
+    for (auto& x : v) x = KV(u(rng));
+    q.resize(static_cast<std::size_t>(T * q_stride));
+    for (auto& x : q) x = 2.5f * u(rng);  // peaky enough that the running max matters
+    int max_n = 1;
+    for (const request& r : req) max_n = std::max(max_n, r.n);
+    wpr = (max_n + 31) / 32 + (max_n % 3 == 0 ? 1 : 0);  // sometimes more words than needed
+    for (const request& r : req) {
+      mask_offsets.push_back(static_cast<std::int32_t>(words.size()));
+      const auto w = packed_mask(r.parents.empty() ? std::vector<int>(1, -1) : r.parents, wpr);
+      words.insert(words.end(), w.begin(), w.end());
+      if (r.parents.empty()) words.resize(words.size() + static_cast<std::size_t>((r.n - 1) * wpr), 0u);
+    }
+    // FlashInfer stream: the tree (or causal) rows, prefix visible, unless the test edits bits.
+    for (int b = 0; b < B; ++b) {
+      const request& r = req[static_cast<std::size_t>(b)];
+      mask_indptr.push_back(static_cast<std::int32_t>(custom.size()));
+      const std::size_t kv_len = static_cast<std::size_t>(r.L + r.n);
+      custom.resize(custom.size() + (static_cast<std::size_t>(r.n) * kv_len + 7) / 8, 0);
+      for (int i = 0; i < r.n; ++i)
+        for (int key = 0; key < r.L + r.n; ++key)
+          if (sees(b, i, key)) set_custom(b, i, key, true);
+    }
+  }
+
+  // The tree/causal visibility of slot `key` for query i of request b.
+  [[nodiscard]] bool sees(int b, int i, int key) const {
+    const request& r = req[static_cast<std::size_t>(b)];
+    if (key < r.L) return true;
+    const int j = key - r.L;
+    if (r.parents.empty()) return j <= i;
+    for (int u = i; u >= 0; u = r.parents[static_cast<std::size_t>(u)])
+      if (u == j) return true;
+    return false;
+  }
+  void set_custom(int b, int i, int key, bool on) {
+    const request& r = req[static_cast<std::size_t>(b)];
+    const std::size_t bit = static_cast<std::size_t>(i) * static_cast<std::size_t>(r.L + r.n) + static_cast<std::size_t>(key);
+    std::uint8_t& byte = custom[static_cast<std::size_t>(mask_indptr[static_cast<std::size_t>(b)]) + bit / 8];
+    byte = static_cast<std::uint8_t>(on ? byte | (1u << (bit % 8)) : byte & ~(1u << (bit % 8)));
+  }
+  [[nodiscard]] bool custom_bit(int b, int i, int key) const {
+    const request& r = req[static_cast<std::size_t>(b)];
+    const std::size_t bit = static_cast<std::size_t>(i) * static_cast<std::size_t>(r.L + r.n) + static_cast<std::size_t>(key);
+    return ((custom[static_cast<std::size_t>(mask_indptr[static_cast<std::size_t>(b)]) + bit / 8] >> (bit % 8)) & 1u) != 0;
+  }
+
+  // Request b's cache as a CPU view over the same memory.
+  [[nodiscard]] auto contiguous_view(int b) const {
+    const std::size_t row = static_cast<std::size_t>(s.hkv * s.dim);
+    const std::size_t layer = static_cast<std::size_t>(B * s.capacity) * row;
+    const auto m = medusa::layout_kv_strided::mapping::strided({s.layers, s.hkv, s.dim}, s.capacity, layer, row,
+                                                               static_cast<std::size_t>(s.dim));
+    const std::size_t base = static_cast<std::size_t>(b * s.capacity) * row;
+    return medusa::kv_cache_view<const KV>(k.data() + base, v.data() + base, m);
+  }
+  [[nodiscard]] auto paged_view(int b) const {
+    const std::span<const std::int32_t> table(tables.data() + static_cast<std::size_t>(b * blocks),
+                                              static_cast<std::size_t>(blocks));
+    const auto m = medusa::layout_kv_paged::mapping::dense({s.layers, s.hkv, s.dim}, s.page_size, num_pages,
+                                                          medusa::kv_layout::nhd, table);
+    return medusa::kv_cache_view<const KV, medusa::layout_kv_paged>(k.data(), v.data(), m);
+  }
+
+  [[nodiscard]] mk::batch_kv device_kv() {
+    if (s.page_size == 0) {
+      const std::size_t row = static_cast<std::size_t>(s.hkv * s.dim);
+      const auto m = medusa::layout_kv_strided::mapping::strided({s.layers, s.hkv, s.dim}, B * s.capacity,
+                                                                 static_cast<std::size_t>(B * s.capacity) * row, row,
+                                                                 static_cast<std::size_t>(s.dim));
+      return mk::make_batch_kv(medusa::kv_cache_view<KV>(k.data(), v.data(), m), slot_bases.data(), s.capacity);
+    }
+    return mk::make_batch_kv(paged_view(0), tables.data(), blocks);
+  }
+
+  [[nodiscard]] mk::attention_problem problem() const {
+    int max_n = 1;
+    for (const request& r : req) max_n = std::max(max_n, r.n);
+    return {.batch = B, .max_tokens = T, .max_tokens_per_request = max_n, .max_kv_length = s.capacity,
+            .num_q_heads = s.hq, .num_kv_heads = s.hkv, .head_dim = s.dim, .mask = s.mask, .kv_split = s.kv_split};
+  }
+
+  // The kernels through the emulation; outputs [T][out_stride] as float (cells start at 1e4, so
+  // that a row left unwritten shows).
+  template <class O>
+  std::vector<float> emulate(float scale = 0.0f, mk::attention_plan* plan_out = nullptr) {
+    const mk::attention_plan plan = mk::plan_attention(problem());
+    if (plan_out != nullptr) *plan_out = plan;
+    std::vector<O> out(static_cast<std::size_t>(T * out_stride), O(1e4f));
+    mk::attention_params<KV, O> a;
+    a.q = q.data();
+    a.q_row_stride = q_stride;
+    a.out = out.data();
+    a.out_row_stride = out_stride;
+    a.batch = B;
+    a.qo_indptr = indptr.data();
+    a.cache_lengths = lengths.data();
+    a.kv = device_kv();
+    a.layer = s.layer;
+    a.scale = scale;
+    a.tree_mask = words.data();
+    a.words_per_row = wpr;
+    a.tree_mask_offsets = shared_mask ? nullptr : mask_offsets.data();
+    a.custom_mask = custom.data();
+    a.mask_indptr = mask_indptr.data();
+    mk::check_attention_args(plan, a);
+    // Poisoned workspace: a merge that read a cell no split wrote would give NaN.
+    std::vector<float> ws((plan.workspace_bytes + sizeof(float) - 1) / sizeof(float),
+                          std::numeric_limits<float>::quiet_NaN());
+    REQUIRE(mk::bind_attention_workspace(plan, a, ws.data(), ws.size() * sizeof(float)));
+    mc::emulate(plan.main, [&](auto& ctx) { mk::attention_main(ctx, plan, a); });
+    if (plan.splits > 1) mc::emulate(plan.merge, [&](auto& ctx) { mk::attention_merge(ctx, plan, a); });
+    std::vector<float> f(out.size());
+    for (std::size_t i = 0; i < out.size(); ++i) f[i] = static_cast<float>(out[i]);
+    return f;
+  }
+
+  // Request b's queries as the CPU takes them: [n][hq][dim].
+  [[nodiscard]] std::vector<float> queries(int b) const {
+    const request& r = req[static_cast<std::size_t>(b)];
+    std::vector<float> out(static_cast<std::size_t>(r.n * s.hq * s.dim));
+    for (int i = 0; i < r.n; ++i)
+      std::copy_n(q.data() + static_cast<std::size_t>((indptr[static_cast<std::size_t>(b)] + i) * q_stride),
+                  s.hq * s.dim, out.data() + static_cast<std::size_t>(i * s.hq * s.dim));
+    return out;
+  }
+
+  // medusa::tree_attention for request b (tree or causal masks).
+  [[nodiscard]] std::vector<float> cpu(int b, float scale = 0.0f) const {
+    const request& r = req[static_cast<std::size_t>(b)];
+    const auto qs = queries(b);
+    std::vector<float> out(qs.size());
+    const auto run = [&](const auto& view) {
+      if (r.parents.empty())
+        medusa::causal_attention(view, s.layer, r.L, qs, r.n, s.hq, out, {scale});
+      else
+        medusa::tree_attention(view, s.layer, r.L, qs, r.n, s.hq,
+                               medusa::tree_mask_view{std::span<const std::uint32_t>(words).subspan(
+                                                          shared_mask ? 0 : static_cast<std::size_t>(mask_offsets[static_cast<std::size_t>(b)])),
+                                                      wpr},
+                               out, {scale});
+    };
+    if (s.page_size == 0) run(contiguous_view(b));
+    else run(paged_view(b));
+    return out;
+  }
+
+  // Double-precision reference over the custom bits (every mode writes them).
+  [[nodiscard]] std::vector<float> naive(int b, float scale = 0.0f) const {
+    const request& r = req[static_cast<std::size_t>(b)];
+    const int G = s.hq / s.hkv;
+    const double sc = scale > 0.0f ? scale : 1.0 / std::sqrt(static_cast<double>(s.dim));
+    const auto qs = queries(b);
+    std::vector<float> out(qs.size(), 0.0f);
+    const auto read = [&](const auto& view) {
+      for (int i = 0; i < r.n; ++i)
+        for (int h = 0; h < s.hq; ++h) {
+          std::vector<int> keys;
+          for (int key = 0; key < r.L + r.n; ++key)
+            if (custom_bit(b, i, key)) keys.push_back(key);
+          if (keys.empty()) continue;
+          const float* qi = qs.data() + static_cast<std::size_t>((i * s.hq + h) * s.dim);
+          std::vector<double> w;
+          double mx = -1e300;
+          for (int key : keys) {
+            double dot = 0;
+            for (int d = 0; d < s.dim; ++d)
+              dot += static_cast<double>(qi[d]) * static_cast<double>(static_cast<float>(view.k(s.layer, key, h / G, d)));
+            w.push_back(dot * sc);
+            mx = std::max(mx, w.back());
+          }
+          double sum = 0;
+          for (double& x : w) sum += (x = std::exp(x - mx));
+          for (int d = 0; d < s.dim; ++d) {
+            double acc = 0;
+            for (std::size_t j = 0; j < keys.size(); ++j)
+              acc += w[j] * static_cast<double>(static_cast<float>(view.v(s.layer, keys[j], h / G, d)));
+            out[static_cast<std::size_t>((i * s.hq + h) * s.dim + d)] = static_cast<float>(acc / sum);
+          }
+        }
+    };
+    if (s.page_size == 0) read(contiguous_view(b));
+    else read(paged_view(b));
+    return out;
+  }
+
+  // Request b's rows of an emulated output, [n][hq][dim].
+  [[nodiscard]] std::vector<float> rows_of(const std::vector<float>& out, int b) const {
+    const request& r = req[static_cast<std::size_t>(b)];
+    std::vector<float> got(static_cast<std::size_t>(r.n * s.hq * s.dim));
+    for (int i = 0; i < r.n; ++i)
+      std::copy_n(out.data() + static_cast<std::size_t>((indptr[static_cast<std::size_t>(b)] + i) * out_stride),
+                  s.hq * s.dim, got.data() + static_cast<std::size_t>(i * s.hq * s.dim));
+    return got;
+  }
+};
+
+void check_close(const std::vector<float>& got, const std::vector<float>& want, float tol) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (!(std::fabs(got[i] - want[i]) <= tol * (1.0f + std::fabs(want[i])))) {
+      FAIL("element " << i << ": got " << got[i] << ", want " << want[i]);
+    }
+}
+
+// Tolerance of an output of type O over a cache of type KV against float references.
+template <class KV, class O>
+float tolerance() {
+  if constexpr (!std::is_same_v<O, float>) return std::is_same_v<O, medusa::bfloat16> ? 1e-2f : 2e-3f;
+  return 2e-5f;
+}
+
+// Emulated kernels against medusa::tree_attention and the naive reference, every request.
+template <class KV, class O = float>
+void check_batch(const shape& s, const std::vector<request>& reqs, std::uint32_t seed, float scale = 0.0f) {
+  std::mt19937 rng(seed);
+  batch_fixture<KV> f(s, reqs, rng);
+  mk::attention_plan plan;
+  const auto out = f.template emulate<O>(scale, &plan);
+  CAPTURE(plan.splits);
+  CAPTURE(plan.rows_per_block);
+  for (int b = 0; b < f.B; ++b) {
+    CAPTURE(b);
+    const auto got = f.rows_of(out, b);
+    if (s.mask != attention_mask_kind::flashinfer) check_close(got, f.cpu(b, scale), tolerance<KV, O>());
+    check_close(got, f.naive(b, scale), tolerance<KV, O>());
+  }
+}
+
+std::vector<request> random_batch(std::mt19937& rng, int B, int max_L, int max_n, bool tree) {
+  std::vector<request> rs;
+  for (int b = 0; b < B; ++b) {
+    request r;
+    r.L = std::uniform_int_distribution<int>(0, max_L)(rng);
+    r.n = std::uniform_int_distribution<int>(1, max_n)(rng);
+    if (tree) r.parents = random_parents(rng, r.n);
+    rs.push_back(r);
+  }
+  return rs;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("tree attention of a batch equals the CPU's, contiguous and paged", KV, float, medusa::half,
+                   medusa::bfloat16) {
+  std::mt19937 rng(7);
+  for (const int page : {0, 16, 5}) {
+    for (const int split : {0, 32, 64}) {
+      CAPTURE(page);
+      CAPTURE(split);
+      shape s;
+      s.hq = 4;
+      s.hkv = 2;
+      s.dim = 16;
+      s.capacity = 160;
+      s.page_size = page;
+      s.kv_split = split;
+      check_batch<KV>(s, random_batch(rng, 3, 120, 12, true), rng());
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("outputs in the cache's 16-bit type", KV, medusa::half, medusa::bfloat16) {
+  std::mt19937 rng(8);
+  shape s;
+  s.hq = 2;
+  s.hkv = 2;
+  s.dim = 32;
+  s.capacity = 100;
+  s.kv_split = 32;
+  check_batch<KV, KV>(s, random_batch(rng, 2, 90, 9, true), rng());
+}
+
+TEST_CASE("head dims of 8 to 128 and groups of 1 to 8 query heads") {
+  std::mt19937 rng(9);
+  struct dims {
+    int hq, hkv, dim;
+  };
+  for (const dims d : {dims{8, 4, 8}, dims{2, 1, 24}, dims{8, 1, 40}, dims{2, 2, 64}, dims{1, 1, 96}, dims{2, 1, 128}}) {
+    CAPTURE(d.dim);
+    shape s;
+    s.hq = d.hq;
+    s.hkv = d.hkv;
+    s.dim = d.dim;
+    s.capacity = 96;
+    s.kv_split = 64;
+    check_batch<medusa::bfloat16>(s, random_batch(rng, 2, 80, 5, true), rng(), d.dim == 24 ? 0.3f : 0.0f);
+  }
+}
+
+TEST_CASE("every preset tree, one per request, with a different committed length each") {
+  std::mt19937 rng(10);
+  const auto names = medusa::preset_names();
+  for (std::size_t i = 0; i < names.size(); i += 2) {
+    std::vector<request> rs;
+    for (std::size_t j = i; j < std::min(names.size(), i + 2); ++j) {
+      CAPTURE(names[j]);
+      const medusa::tree t = medusa::tree::preset(names[j]);
+      rs.push_back({std::uniform_int_distribution<int>(0, 100)(rng), t.num_nodes(), parents_of(t)});
+    }
+    shape s;
+    s.hq = 2;
+    s.hkv = 1;
+    s.dim = 16;
+    s.capacity = 192;
+    s.kv_split = 64;
+    s.page_size = i % 4 == 0 ? 16 : 0;
+    check_batch<medusa::half>(s, rs, rng());
+  }
+}
+
+TEST_CASE("one tree mask shared by the batch (no per-request offsets)") {
+  std::mt19937 rng(11);
+  const medusa::tree t = medusa::tree::preset("mc_sim_7b_63");
+  shape s;
+  s.capacity = 200;
+  s.kv_split = 96;
+  batch_fixture<float> f(s, {{40, t.num_nodes(), parents_of(t)}, {100, t.num_nodes(), parents_of(t)}}, rng);
+  f.shared_mask = true;  // the kernel reads every request's rows from word 0
+  f.words.resize(static_cast<std::size_t>(t.num_nodes() * f.wpr));
+  const auto out = f.template emulate<float>();
+  for (int b = 0; b < 2; ++b) check_close(f.rows_of(out, b), f.cpu(b), 2e-5f);
+}
+
+TEST_CASE("causal chunks (prefill) and single tokens (decoding) of a batch") {
+  std::mt19937 rng(12);
+  for (const int page : {0, 8}) {
+    shape s;
+    s.mask = attention_mask_kind::causal;
+    s.hq = 6;
+    s.hkv = 2;
+    s.dim = 16;
+    s.capacity = 180;
+    s.page_size = page;
+    s.kv_split = 64;
+    check_batch<medusa::bfloat16>(s, random_batch(rng, 3, 100, 40, false), rng());
+    check_batch<float>(s, {{0, 1, {}}, {63, 1, {}}, {64, 1, {}}, {150, 1, {}}}, rng());
+  }
+}
+
+TEST_CASE("FlashInfer custom masks: the tree's stream, and arbitrary bits including the prefix") {
+  std::mt19937 rng(13);
+  shape s;
+  s.mask = attention_mask_kind::flashinfer;
+  s.hq = 4;
+  s.hkv = 2;
+  s.dim = 16;
+  s.capacity = 140;
+  s.kv_split = 64;
+  check_batch<medusa::half>(s, random_batch(rng, 3, 120, 10, true), rng());
+
+  // The library's writer produces the same stream the fixture wrote by hand.
+  const medusa::tree t = medusa::tree::preset("mc_sim_7b_63");
+  std::vector<std::uint8_t> stream(medusa::full_row_stream_bytes(t.num_nodes(), 37));
+  medusa::write_full_row_stream(t, 37, std::span<std::uint8_t>(stream));
+  batch_fixture<float> f(s, {{37, t.num_nodes(), parents_of(t)}}, rng);
+  CHECK(stream == f.custom);
+
+  // Random bits, prefix included, and one row that sees nothing (output 0).
+  batch_fixture<float> g(s, random_batch(rng, 2, 100, 9, true), rng);
+  for (int b = 0; b < g.B; ++b) {
+    const request& r = g.req[static_cast<std::size_t>(b)];
+    for (int i = 0; i < r.n; ++i)
+      for (int key = 0; key < r.L + r.n; ++key) g.set_custom(b, i, key, rng() % 3 != 0);
+  }
+  const request& r0 = g.req[0];
+  for (int key = 0; key < r0.L + r0.n; ++key) g.set_custom(0, 0, key, false);
+  const auto out = g.template emulate<float>();
+  for (int b = 0; b < g.B; ++b) check_close(g.rows_of(out, b), g.naive(b), 2e-5f);
+  for (int c = 0; c < s.hq * s.dim; ++c) CHECK(out[static_cast<std::size_t>(c)] == 0.0f);
+}
+
+TEST_CASE_TEMPLATE("a tree node has the same bits as its row decoded alone after its ancestors were committed", KV,
+                   float, medusa::bfloat16) {
+  std::mt19937 rng(14);
+  // Committed lengths around the 32-key tiles and the splits, so that a node's ancestors and the
+  // node itself fall in another tile or split than they do alone.
+  for (const int L : {0, 5, 31, 60, 62, 63, 64, 93, 127})
+    for (const int page : {0, 16}) {
+    CAPTURE(L);
+    CAPTURE(page);
+    const medusa::tree t = medusa::tree::preset(L % 3 == 0 ? "mc_sim_7b_63" : "vicuna_7b_stage2");
+    const auto parents = parents_of(t);
+    shape s;
+    s.hq = 4;
+    s.hkv = 2;
+    s.dim = 32;
+    s.capacity = 256;
+    s.page_size = page;
+    s.kv_split = 32 * (1 + L % 3);  // 32, 64 or 96: tiles and splits cut across the tree keys
+    batch_fixture<KV> tree(s, {{L, t.num_nodes(), parents}}, rng);
+    const auto tree_out = tree.template emulate<float>();
+    for (int u = 1; u < t.num_nodes(); u += 2) {
+      // The same cache with u's ancestors committed at L.., u at L + depth, decoded alone.
+      std::vector<int> path;
+      for (int x = u; x >= 0; x = parents[static_cast<std::size_t>(x)]) path.push_back(x);
+      std::reverse(path.begin(), path.end());
+      const int depth = static_cast<int>(path.size()) - 1;
+      shape sa = s;
+      sa.mask = attention_mask_kind::causal;
+      batch_fixture<KV> alone(sa, {{L + depth, 1, {}}}, rng);
+      alone.k = tree.k;
+      alone.v = tree.v;
+      alone.tables = tree.tables;
+      alone.num_pages = tree.num_pages;
+      alone.blocks = tree.blocks;
+      const auto row_of = [&](int slot) {  // element offset of (layer, slot, head 0) of request 0
+        if (page == 0)
+          return static_cast<std::size_t>(slot * s.hkv * s.dim) +
+                 static_cast<std::size_t>(s.layer) * static_cast<std::size_t>(s.capacity * s.hkv * s.dim);
+        return tree.paged_view(0).mapping().offset(s.layer, slot, 0);
+      };
+      // Move the path's rows to L, L+1, ... in ascending order (path[j] >= j: no row is clobbered).
+      for (int j = 0; j <= depth; ++j)
+        for (std::size_t e = 0; e < static_cast<std::size_t>(s.hkv * s.dim); ++e) {
+          alone.k[row_of(L + j) + e] = tree.k[row_of(L + path[static_cast<std::size_t>(j)]) + e];
+          alone.v[row_of(L + j) + e] = tree.v[row_of(L + path[static_cast<std::size_t>(j)]) + e];
+        }
+      std::copy_n(tree.q.data() + static_cast<std::size_t>(u * tree.q_stride), s.hq * s.dim, alone.q.data());
+      const auto alone_out = alone.template emulate<float>();
+      CAPTURE(u);
+      CHECK(std::memcmp(alone_out.data(), tree_out.data() + static_cast<std::size_t>(u * tree.out_stride),
+                        static_cast<std::size_t>(s.hq * s.dim) * sizeof(float)) == 0);
+      // and the value is right
+      check_close(std::vector<float>(alone_out.begin(), alone_out.begin() + s.hq * s.dim), alone.naive(0), 2e-2f);
+    }
+  }
+}
+
+TEST_CASE("a causal chunk has the same bits as decoding its tokens one at a time") {
+  std::mt19937 rng(15);
+  shape s;
+  s.mask = attention_mask_kind::causal;
+  s.hq = 2;
+  s.hkv = 1;
+  s.dim = 64;
+  s.capacity = 200;
+  s.kv_split = 64;
+  batch_fixture<medusa::bfloat16> chunk(s, {{50, 40, {}}}, rng);
+  const auto chunk_out = chunk.template emulate<float>();
+  for (int i = 0; i < 40; i += 7) {
+    batch_fixture<medusa::bfloat16> one(s, {{50 + i, 1, {}}}, rng);
+    one.k = chunk.k;
+    one.v = chunk.v;
+    std::copy_n(chunk.q.data() + static_cast<std::size_t>(i * chunk.q_stride), s.hq * s.dim, one.q.data());
+    const auto one_out = one.template emulate<float>();
+    CAPTURE(i);
+    CHECK(std::memcmp(one_out.data(), chunk_out.data() + static_cast<std::size_t>(i * chunk.out_stride),
+                      static_cast<std::size_t>(s.hq * s.dim) * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("a NaN in a key the row sees gives NaN; rows that do not see it are unaffected") {
+  std::mt19937 rng(16);
+  shape s;
+  s.hq = 1;
+  s.hkv = 1;
+  s.dim = 8;
+  s.capacity = 64;
+  s.kv_split = 32;
+  // root 0, children 1 and 2: node 2 does not see node 1
+  batch_fixture<float> f(s, {{40, 3, {-1, 0, 0}}}, rng);
+  const std::size_t row1 = static_cast<std::size_t>(s.layer * s.capacity + 41) * static_cast<std::size_t>(s.dim);
+  f.k[row1] = std::numeric_limits<float>::quiet_NaN();
+  const auto out = f.template emulate<float>();
+  CHECK(std::isnan(out[static_cast<std::size_t>(f.out_stride)]));       // node 1 sees itself
+  CHECK(!std::isnan(out[0]));                                            // the root does not see node 1
+  CHECK(!std::isnan(out[static_cast<std::size_t>(2 * f.out_stride)]));  // nor does node 2
+}
+
+TEST_CASE("plans refuse bad sizes and argument checks name the mismatch") {
+  const mk::attention_problem ok{.batch = 2, .max_tokens = 8, .max_tokens_per_request = 4, .max_kv_length = 64,
+                                 .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 16};
+  const mk::attention_plan plan = mk::plan_attention(ok);
+  CHECK(plan.group == 2);
+  CHECK(plan.problem.kv_split == 128);
+  CHECK(plan.splits == 1);
+  CHECK(plan.workspace_bytes == 0);
+  const auto refused = [](mk::attention_problem p, mc::launch_errc code) {
+    try {
+      (void)mk::plan_attention(p);
+      FAIL("accepted");
+    } catch (const mc::launch_error& e) {
+      CHECK(e.code() == code);
+      CHECK(std::string(e.what()).find("attention") != std::string::npos);
+    }
+  };
+  auto p = ok;
+  p.batch = 0;
+  refused(p, mc::launch_errc::invalid_shape);
+  p = ok;
+  p.num_q_heads = 3;
+  refused(p, mc::launch_errc::invalid_shape);
+  p = ok;
+  p.head_dim = 256;
+  refused(p, mc::launch_errc::unsupported);
+  p = ok;
+  p.kv_split = 48;
+  refused(p, mc::launch_errc::invalid_shape);
+  p = ok;
+  p.max_tokens_per_request = 9;
+  refused(p, mc::launch_errc::invalid_shape);
+  p = ok;
+  p.batch = 70000;
+  refused(p, mc::launch_errc::invalid_shape);
+
+  std::vector<medusa::half> k(2 * 64 * 2 * 16), v(k.size());
+  auto view = medusa::make_kv_view<medusa::half>(k, v, {1, 2, 16}, 64);
+  mk::attention_params<medusa::half> a;
+  a.kv = mk::make_batch_kv(view);
+  a.batch = 1;
+  a.q_row_stride = a.out_row_stride = 64;
+  CHECK_NOTHROW(mk::check_attention_args(plan, a));
+  auto bad = a;
+  bad.kv.shape.head_dim = 8;
+  CHECK_THROWS_AS(mk::check_attention_args(plan, bad), mc::launch_error);
+  bad = a;
+  bad.q_row_stride = 63;
+  CHECK_THROWS_WITH(mk::check_attention_args(plan, bad), doctest::Contains("row strides"));
+  bad = a;
+  bad.batch = 3;
+  CHECK_THROWS_AS(mk::check_attention_args(plan, bad), mc::launch_error);
+  bad = a;
+  bad.layer = 1;
+  CHECK_THROWS_AS(mk::check_attention_args(plan, bad), mc::launch_error);
+  mk::attention_params<float> wrong_type;
+  wrong_type.kv = a.kv;
+  wrong_type.batch = 1;
+  wrong_type.q_row_stride = wrong_type.out_row_stride = 64;
+  CHECK_THROWS_WITH(mk::check_attention_args(plan, wrong_type), doctest::Contains("elements"));
+}
+
+TEST_CASE("a request beyond the plan's bounds is left untouched, the others are computed") {
+  std::mt19937 rng(17);
+  shape s;
+  s.capacity = 64;
+  s.kv_split = 32;
+  batch_fixture<float> f(s, {{10, 3, {-1, 0, 1}}, {20, 2, {-1, 0}}}, rng);
+  // Plan for at most 2 tokens per request: request 0 (3 tokens) is out of bounds.
+  const mk::attention_plan plan = mk::plan_attention({.batch = 2, .max_tokens = 5, .max_tokens_per_request = 2,
+                                                      .max_kv_length = 64, .num_q_heads = s.hq, .num_kv_heads = s.hkv,
+                                                      .head_dim = s.dim, .mask = attention_mask_kind::tree,
+                                                      .kv_split = 32});
+  std::vector<float> out(static_cast<std::size_t>(f.T * f.out_stride), 1e4f);
+  mk::attention_params<float> a;
+  a.q = f.q.data();
+  a.q_row_stride = f.q_stride;
+  a.out = out.data();
+  a.out_row_stride = f.out_stride;
+  a.batch = 2;
+  a.qo_indptr = f.indptr.data();
+  a.cache_lengths = f.lengths.data();
+  a.kv = f.device_kv();
+  a.layer = s.layer;
+  a.tree_mask = f.words.data();
+  a.words_per_row = f.wpr;
+  a.tree_mask_offsets = f.mask_offsets.data();
+  std::vector<unsigned char> ws(plan.workspace_bytes);
+  REQUIRE(mk::bind_attention_workspace(plan, a, ws.data(), ws.size()));
+  mc::emulate(plan.main, [&](auto& ctx) { mk::attention_main(ctx, plan, a); });
+  if (plan.splits > 1) mc::emulate(plan.merge, [&](auto& ctx) { mk::attention_merge(ctx, plan, a); });
+  for (int c = 0; c < s.hq * s.dim; ++c) CHECK(out[static_cast<std::size_t>(c)] == 1e4f);
+  check_close(f.rows_of(out, 1), f.cpu(1), 2e-5f);
+}
