@@ -56,6 +56,9 @@ enum class engine_errc {
   bad_option,      //!< an engine or generation option out of range
   bad_request,     //!< a request id outside the engine's range, or twice in one batch
   out_of_pages,    //!< the KV page pool has too few free pages for a reservation
+  no_device,       //!< no CUDA device (or a build without CUDA) for the GPU engine
+  device_failure,  //!< a CUDA or cuBLAS call of the GPU engine failed (the message has the status)
+  bad_data,        //!< a device-side step found bad data: non-finite logits, a token out of range
 };
 
 //! Name of an `engine_errc` value ("bad_batch", ...).
@@ -70,11 +73,14 @@ enum class engine_errc {
     case engine_errc::bad_option: return "bad_option";
     case engine_errc::bad_request: return "bad_request";
     case engine_errc::out_of_pages: return "out_of_pages";
+    case engine_errc::no_device: return "no_device";
+    case engine_errc::device_failure: return "device_failure";
+    case engine_errc::bad_data: return "bad_data";
   }
   return "unknown";
 }
 
-//! Bad arguments to the engine.
+//! Bad arguments to an engine, or (GPU engine) a device that is missing or failed.
 class engine_error : public medusa::coded_error<engine_errc> {
  public:
   //! @param code the kind of failure; @param what the message; @param request the id of the
