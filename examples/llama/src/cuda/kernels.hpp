@@ -1,0 +1,235 @@
+// SPDX-License-Identifier: Apache-2.0
+// Private: the GPU engine's own kernel bodies, around the GEMMs and the library's attention and
+// step kernels: embedding, RMSNorm, RoPE with the K/V writes, SwiGLU, and the bookkeeping of a
+// device-side Medusa step. Each is a functor over the execution context of
+// <medusa/cuda/kernel_context.hpp>, so one source runs on the device (device_executor.cuh) and in
+// the host emulation (host_executor.hpp, the CI tests). Residual adds are the GEMMs' beta = 1.
+#pragma once
+
+#include <medusa/cuda/kernel_context.hpp>
+#include <medusa/cuda/kernels/batch_kv.hpp>
+#include <medusa/cuda/launch.hpp>
+#include <medusa/half.hpp>
+#include <medusa/heads.hpp>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+namespace medusa_llama::cuda_detail {
+
+namespace mc = medusa::cuda;
+namespace mk = medusa::cuda::kernels;
+
+inline constexpr int row_threads = 128;  // threads of the per-row kernels
+
+// Block-wide sum of one float per thread (the block a multiple of 32 threads, at most 1024);
+// every thread gets the result. `scratch` holds 32 floats of shared memory.
+template <class Ctx>
+MEDUSA_KERNEL_FN float block_sum(Ctx& ctx, float v, float* scratch) {
+  for (int m = mc::warp_size / 2; m > 0; m /= 2) v += ctx.shfl_xor(v, m);
+  if (ctx.lane() == 0) scratch[ctx.warp()] = v;
+  ctx.sync();
+  const int warps = ctx.threads() / mc::warp_size;
+  float t = ctx.lane() < warps ? scratch[ctx.lane()] : 0.0f;
+  for (int m = mc::warp_size / 2; m > 0; m /= 2) t += ctx.shfl_xor(t, m);
+  ctx.sync();  // scratch is free again
+  return t;
+}
+
+// The request of token t of a ragged batch: the last b with qo_indptr[b] <= t.
+MEDUSA_KERNEL_FN int request_of(const std::int32_t* qo_indptr, int batch, int t) noexcept {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (qo_indptr[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// x[t] = embedding[tokens[t]] as float, one block per token. A token outside the vocabulary gives
+// a NaN row, which the verify and top-k kernels then report as the request's status.
+template <class T>
+struct embed_body {
+  static constexpr int max_threads = row_threads;
+  const T* embedding = nullptr;  // [vocab][dim]
+  const std::int32_t* tokens = nullptr;
+  float* x = nullptr;  // [T][dim]
+  int dim = 0, vocab = 0;
+
+  template <class Ctx>
+  MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
+    const int t = ctx.block_x();
+    const std::int32_t token = tokens[t];
+    float* dst = x + static_cast<std::size_t>(t) * static_cast<std::size_t>(dim);
+    if (token < 0 || token >= vocab) {
+      for (int c = ctx.thread(); c < dim; c += ctx.threads()) dst[c] = std::numeric_limits<float>::quiet_NaN();
+      return;
+    }
+    const T* src = embedding + static_cast<std::size_t>(token) * static_cast<std::size_t>(dim);
+    for (int c = ctx.thread(); c < dim; c += ctx.threads()) dst[c] = mc::load_float(src[c]);
+  }
+};
+
+// RMSNorm of rows: out = w ⊙ (x · 1/sqrt(mean(x²) + eps)), as the CPU engine computes it, to the
+// activation type T (GEMM input) and/or float (the hidden states the heads and the caller read).
+// Output row r reads input row `rows[r]` (or r when `rows` is null). One block per output row.
+template <class T>
+struct rmsnorm_body {
+  static constexpr int max_threads = row_threads;
+  const float* x = nullptr;          // [.][dim]
+  const float* weight = nullptr;     // [dim]
+  const std::int32_t* rows = nullptr;  // optional input row of each output row
+  T* out = nullptr;                  // [R][dim] or null
+  float* out_f32 = nullptr;          // [R][dim] or null
+  int dim = 0;
+  float eps = 1e-5f;
+
+  template <class Ctx>
+  MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
+    const int r = ctx.block_x();
+    const int src_row = rows != nullptr ? rows[r] : r;
+    const float* xr = x + static_cast<std::size_t>(src_row) * static_cast<std::size_t>(dim);
+    float ss = 0.0f;
+    for (int c = ctx.thread(); c < dim; c += ctx.threads()) ss += xr[c] * xr[c];
+    auto* scratch = static_cast<float*>(ctx.shared());
+    ss = block_sum(ctx, ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+    const std::size_t base = static_cast<std::size_t>(r) * static_cast<std::size_t>(dim);
+    for (int c = ctx.thread(); c < dim; c += ctx.threads()) {
+      const float y = weight[c] * (inv * xr[c]);
+      if (out != nullptr) out[base + static_cast<std::size_t>(c)] = mc::store_float<T>(y);
+      if (out_f32 != nullptr) out_f32[base + static_cast<std::size_t>(c)] = y;
+    }
+  }
+};
+
+// RoPE at each token's position on the query and key heads of the fused QKV projection (in place,
+// float), then the token's K and V rows written to its cache slot `L_b + i` (request b, i-th new
+// token) in the cache's type. One block per token.
+template <class T>
+struct rope_kv_body {
+  static constexpr int max_threads = row_threads;
+  float* qkv = nullptr;  // [T][(hq + 2·hkv)·head_dim]: q heads, k heads, v heads
+  const std::int32_t* positions = nullptr;
+  const std::int32_t* qo_indptr = nullptr;
+  const std::int32_t* cache_lengths = nullptr;
+  int batch = 0;
+  const float* cos = nullptr;  // [seq_len][head_dim / 2]
+  const float* sin = nullptr;
+  int seq_len = 0;
+  int hq = 0, hkv = 0, head_dim = 0;
+  bool split_halves = false;  // Hugging Face `rotate_half` pairs (i, i + D/2); else (2i, 2i+1)
+  mk::batch_kv kv;
+  int layer = 0;
+
+  template <class Ctx>
+  MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
+    const int t = ctx.block_x();
+    const int D = head_dim, half = head_dim / 2;
+    const int cols = (hq + 2 * hkv) * D;
+    float* row = qkv + static_cast<std::size_t>(t) * static_cast<std::size_t>(cols);
+    const int pos = positions[t];
+    const bool pos_ok = pos >= 0 && pos < seq_len;
+    const float* cs = cos + static_cast<std::size_t>(pos_ok ? pos : 0) * static_cast<std::size_t>(half);
+    const float* sn = sin + static_cast<std::size_t>(pos_ok ? pos : 0) * static_cast<std::size_t>(half);
+    for (int e = ctx.thread(); e < (hq + hkv) * half; e += ctx.threads()) {
+      const int head = e / half, i = e % half;
+      float* v = row + static_cast<std::size_t>(head) * static_cast<std::size_t>(D);
+      const int a = split_halves ? i : 2 * i;
+      const int b = split_halves ? i + half : 2 * i + 1;
+      const float v0 = v[a], v1 = v[b];
+      v[a] = pos_ok ? v0 * cs[i] - v1 * sn[i] : std::numeric_limits<float>::quiet_NaN();
+      v[b] = pos_ok ? v0 * sn[i] + v1 * cs[i] : std::numeric_limits<float>::quiet_NaN();
+    }
+    ctx.sync();
+    const int b = request_of(qo_indptr, batch, t);
+    const int slot = cache_lengths[b] + (t - qo_indptr[b]);
+    if (!mk::batch_kv_slot_ok(kv, b, slot)) return;  // the host checks slots before a pass
+    T* k = static_cast<T*>(kv.k);
+    T* vv = static_cast<T*>(kv.v);
+    const float* ksrc = row + static_cast<std::size_t>(hq) * static_cast<std::size_t>(D);
+    const float* vsrc = ksrc + static_cast<std::size_t>(hkv) * static_cast<std::size_t>(D);
+    for (int e = ctx.thread(); e < hkv * D; e += ctx.threads()) {
+      const int head = e / D, d = e % D;
+      const std::size_t at = mk::batch_kv_row_offset(kv, b, layer, slot, head) + static_cast<std::size_t>(d);
+      k[at] = mc::store_float<T>(ksrc[e]);
+      vv[at] = mc::store_float<T>(vsrc[e]);
+    }
+  }
+};
+
+// h = SiLU(gate) ⊙ up from the fused W1/W3 projection ([T][2·hidden]: gate, then up), to T.
+template <class T>
+struct swiglu_body {
+  static constexpr int max_threads = row_threads;
+  const float* gate_up = nullptr;
+  T* out = nullptr;  // [T][hidden]
+  int hidden = 0;
+
+  template <class Ctx>
+  MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
+    const int t = ctx.block_x();
+    const float* g = gate_up + static_cast<std::size_t>(t) * 2 * static_cast<std::size_t>(hidden);
+    const float* u = g + hidden;
+    T* o = out + static_cast<std::size_t>(t) * static_cast<std::size_t>(hidden);
+    for (int i = ctx.thread(); i < hidden; i += ctx.threads()) o[i] = mc::store_float<T>(medusa::silu(g[i]) * u[i]);
+  }
+};
+
+// The bookkeeping of a device-side Medusa step, one thread per request: advance the length to
+// the commit's (active requests only: a finished request keeps its slots while the batch goes
+// on), and pick the hidden state of the node the next step continues from, in the heads' type.
+// The host reads the committed tokens from verify's outputs.
+template <class T>
+struct step_bookkeeping_body {
+  static constexpr int max_threads = 128;
+  int batch = 0;
+  int nodes = 0;  // tree nodes per request (rows of the pass)
+  int dim = 0;
+  const std::int32_t* next_node = nullptr;    // verify's
+  const std::int32_t* new_lengths = nullptr;  // the commit's
+  const std::int32_t* active = nullptr;       // [B] 0 once the host finished the request
+  std::int32_t* lengths = nullptr;            // [B] committed slots
+  const float* hidden = nullptr;              // [B·nodes][dim] final-normed states of the pass
+  T* head_input = nullptr;                    // [B][dim]
+
+  template <class Ctx>
+  MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
+    for (int b = ctx.block_x() * ctx.threads() + ctx.thread(); b < batch; b += ctx.grid_x() * ctx.threads()) {
+      if (active[b] == 0 || new_lengths[b] < 0) continue;
+      lengths[b] = new_lengths[b];
+      const int node = next_node[b] < 0 ? 0 : next_node[b];
+      const float* h = hidden + (static_cast<std::size_t>(b) * static_cast<std::size_t>(nodes) + static_cast<std::size_t>(node)) *
+                                    static_cast<std::size_t>(dim);
+      T* dst = head_input + static_cast<std::size_t>(b) * static_cast<std::size_t>(dim);
+      for (int c = 0; c < dim; ++c) dst[c] = mc::store_float<T>(h[c]);
+    }
+  }
+};
+
+// The bookkeeping of a plain (one token per request) device step: the input token's K/V is now
+// committed, the chosen token is the next input, at the next position. One thread per request.
+struct plain_bookkeeping_body {
+  static constexpr int max_threads = 128;
+  int batch = 0;
+  const std::int32_t* chosen = nullptr;  // [B] argmax ids (top-k with k = 1)
+  const std::int32_t* active = nullptr;  // [B]
+  std::int32_t* lengths = nullptr;       // [B]
+  std::int32_t* tokens = nullptr;        // [B] next input
+  std::int32_t* positions = nullptr;     // [B]
+
+  template <class Ctx>
+  MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
+    for (int b = ctx.block_x() * ctx.threads() + ctx.thread(); b < batch; b += ctx.grid_x() * ctx.threads()) {
+      if (active[b] == 0) continue;
+      lengths[b] += 1;
+      tokens[b] = chosen[b];
+      positions[b] = lengths[b];
+    }
+  }
+};
+
+}  // namespace medusa_llama::cuda_detail
