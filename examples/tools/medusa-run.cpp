@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// medusa-run: generate text with a Llama model on the CPU, plainly and with Medusa heads, and
-// compare the two.
+// medusa-run: generate text with a Llama model on the CPU or a CUDA GPU, plainly and with Medusa
+// heads, and compare the two.
 //
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
@@ -10,12 +10,15 @@
 //              [--mode vanilla|medusa|both] [--weights f32|bf16|int8|q4] [--classifier-weights F] [--head-weights int8|q8_0|q4|bf16|f32]
 //              [--threads N] [--json]
 //   medusa-run ... --prompts-file F [--batch N]     many prompts, N at a time (continuous batching)
+//   medusa-run ... --device cuda [--precision f32|f16|bf16] [--cuda-gemm invariant|fast]
+//                                                  greedy decoding on the GPU, a whole step per CUDA graph
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/dispatch.hpp>
 #include <medusa/io.hpp>
 #include <medusa/medusa.hpp>
 
 #include <medusa_llama/batch_engine.hpp>
+#include <medusa_llama/cuda_engine.hpp>
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/load.hpp>
 #include <medusa_llama/packed_heads.hpp>
@@ -66,6 +69,9 @@ struct run_args {
   std::optional<medusa_llama::weight_format> classifier_weights;  // unset: the engine's rule
   medusa_llama::weight_format head_weights = medusa_llama::weight_format::int8;
   bool json = false;
+  std::string device = "cpu";                                             // cpu | cuda
+  medusa_llama::cuda_precision precision = medusa_llama::cuda_precision::bf16;  // --device cuda
+  bool cuda_gemm_fast = false;                                            // --cuda-gemm fast
 };
 
 // `random:K[:SEED]`: see medusa_llama::random_heads.
@@ -562,6 +568,152 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   return medusa_tools::exit_ok;
 }
 
+// --device cuda: the GPU engine and greedy decoding with the whole step on the device (one CUDA
+// graph per step), prompts --batch at a time. What the device step does not implement (other
+// policies, per-step drafts, calibration counts) was refused in run() before the model loaded.
+int run_cuda(const run_args& a, medusa_llama::loaded_model& lm, const std::vector<std::vector<std::int32_t>>& prompts,
+             std::optional<medusa::tree> tree, const auto_inputs& ain, const medusa::head_weights& head_w) {
+  const auto& cfg = lm.weights.config();
+  const bool want_medusa = a.mode != run_mode::vanilla;
+  const int B = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(*a.batch), prompts.size()));
+  nlohmann::json tree_info;
+  if (want_medusa && !tree) {
+    // --tree auto: the best tree for the heads' calibration under a GPU step-cost curve (--step-cost),
+    // or a small chain for heads without a calibration.
+    const int heads = static_cast<int>(head_w.num_heads());
+    if (ain.calibration && ain.given_cost) {
+      const auto plan = medusa::optimize_tree(*ain.calibration, medusa_tools::per_request_curve(*ain.given_cost, B, a.max_nodes),
+                                              {.max_nodes = a.max_nodes, .max_depth = std::min(heads, 5)});
+      medusa::tree_options topt;
+      topt.topk = std::max(medusa::default_topk, ain.calibration->topk());
+      tree = medusa::tree::from_paths(plan.paths, topt);
+      tree_info = describe(*tree, "auto");
+      tree_info["predicted_speedup"] = plan.predicted_speedup;
+      tree_info["step_cost"] = {{"source", "file"}, {"file", a.step_cost_file}};
+    } else if (ain.calibration) {
+      throw usage_error("--device cuda --tree auto: the heads have a calibration, but no GPU step-cost curve: pass --step-cost F "
+                        "(bench_cuda_engine --step-cost-out F writes one) or an explicit --tree");
+    } else {
+      tree = medusa::tree::from_paths(medusa_tools::chain_paths(std::min(heads, 3)));
+      tree_info = describe(*tree, "auto");
+      tree_info["reason"] = ain.random_heads ? "random heads: a small chain" : "no calibration.json beside the heads: a small chain";
+    }
+  } else if (want_medusa) {
+    tree_info = describe(*tree, a.tree);
+  }
+  medusa_llama::cuda_engine_options eo;
+  eo.precision = a.precision;
+  eo.max_requests = B;
+  eo.max_tokens = std::max(512, B * (tree ? tree->num_nodes() : 1));
+  eo.batch_invariant = !a.cuda_gemm_fast;
+  medusa_llama::cuda_engine eng(lm.weights, eo);
+  const nlohmann::json device = {{"device", "cuda"}, {"name", eng.device_name()}, {"precision", medusa_llama::to_string(a.precision)},
+                                 {"gemm", a.cuda_gemm_fast ? "fast" : "invariant"}};
+  if (!a.json)
+    std::fprintf(stderr, "device: %s, %s weights, %s GEMMs\n", eng.device_name().c_str(), medusa_llama::to_string(a.precision),
+                 a.cuda_gemm_fast ? "fast" : "batch-invariant");
+  std::optional<medusa::head_stack<>> stack;
+  if (want_medusa)
+    stack.emplace(head_w.kind() == medusa::projection_kind::per_head
+                      ? head_w.view()
+                      : head_w.view(medusa::weight_ptr::of(lm.weights.classifier()), static_cast<std::size_t>(cfg.vocab_size)));
+  const int eos = lm.tok->eos_id(), bos = lm.tok->bos_id();
+  auto stop_of = [](medusa_llama::cuda_stop s) {
+    switch (s) {
+      case medusa_llama::cuda_stop::eos: return medusa::stop_reason::eos;
+      case medusa_llama::cuda_stop::stop_token: return medusa::stop_reason::callback;
+      case medusa_llama::cuda_stop::context: return medusa::stop_reason::context_full;
+      case medusa_llama::cuda_stop::failed: return medusa::stop_reason::failed;
+      default: return medusa::stop_reason::max_tokens;
+    }
+  };
+  std::vector<batch_report> reports;
+  std::vector<long long> histogram;
+  auto one = [&](const std::string& mode, medusa_llama::cuda_decoder& dec) {
+    batch_report rep;
+    rep.mode = mode;
+    for (std::size_t first = 0; first < prompts.size(); first += static_cast<std::size_t>(B)) {
+      const std::size_t n = std::min(prompts.size() - first, static_cast<std::size_t>(B));
+      // A generated BOS starts a new document: stop there (emitted), as llama2.c's run.c does.
+      const auto results = dec.generate(std::span(prompts).subspan(first, n), a.max_new_tokens, eos, bos);
+      const medusa_llama::cuda_decode_stats& st = dec.stats();
+      rep.seconds += st.prefill_seconds + st.decode_seconds;
+      rep.steps += st.steps;
+      if (mode == "medusa") {
+        histogram.resize(std::max(histogram.size(), st.accepted.size()), 0);
+        for (std::size_t i = 0; i < st.accepted.size(); ++i) histogram[i] += st.accepted[i];
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        const auto& r = results[i];
+        if (r.stop == medusa_llama::cuda_stop::failed) throw medusa::decode_error(r.error);
+        medusa::decode_result d;
+        d.tokens = r.tokens;
+        d.reason = stop_of(r.stop);
+        d.stats.prompt_tokens = static_cast<int>(prompts[first + i].size());
+        d.stats.new_tokens = static_cast<int>(r.tokens.size());
+        d.stats.steps = r.steps;
+        d.stats.seconds.total = st.prefill_seconds + st.decode_seconds;
+        text_sink sink(*lm.tok, prompts[first + i].back(), false);
+        for (std::int32_t t : r.tokens) sink(t);
+        rep.texts.push_back(sink.text());
+        rep.results.push_back(std::move(d));
+      }
+    }
+    reports.push_back(std::move(rep));
+  };
+  if (a.mode != run_mode::medusa) {
+    medusa_llama::cuda_decoder plain(eng);
+    one("vanilla", plain);
+  }
+  if (want_medusa) {
+    medusa_llama::cuda_decoder med(eng, *stack, *tree);
+    one("medusa", med);
+  }
+  std::vector<std::size_t> differ;
+  if (reports.size() == 2)
+    for (std::size_t i = 0; i < prompts.size(); ++i)
+      if (reports[0].results[i].tokens != reports[1].results[i].tokens) differ.push_back(i);
+  const double speedup = reports.size() == 2 ? speedup_of(reports[0].tokens_per_second(), reports[1].tokens_per_second()) : 0.0;
+  if (a.json) {
+    for (const auto& r : reports)
+      for (std::size_t i = 0; i < prompts.size(); ++i) {
+        run_report one_report{r.mode, r.results[i], r.texts[i], {}};
+        auto j = to_json(one_report);
+        j["request"] = i;
+        std::printf("%s\n", json_line(j).c_str());
+      }
+    nlohmann::json summary = {{"batch", B}, {"requests", prompts.size()}, {"max_new_tokens", a.max_new_tokens}, {"device", device}};
+    for (const auto& r : reports) summary[r.mode] = to_json(r);
+    if (want_medusa) {
+      summary["tree"] = tree_info;
+      summary["medusa"]["accepted_histogram"] = histogram;
+    }
+    if (reports.size() == 2) {
+      summary["identical"] = differ.empty();
+      summary["differing_requests"] = differ;
+      summary["speedup"] = speedup;
+    }
+    std::printf("%s\n", json_line(summary).c_str());
+  } else {
+    const auto& last = reports.back();
+    for (std::size_t i = 0; i < prompts.size(); ++i)
+      std::printf("--- request %zu (%s, %s) ---\n%s\n", i, last.mode.c_str(),
+                  std::string(medusa::to_string(last.results[i].reason)).c_str(), last.texts[i].c_str());
+    std::fflush(stdout);
+    for (const auto& r : reports)
+      std::fprintf(stderr, "%-7s %zu requests, batch %d: %ld tokens in %6.3f s: %7.1f tokens/s, %5.2f tokens/step\n",
+                   r.mode.c_str(), prompts.size(), B, r.tokens(), r.seconds, r.tokens_per_second(), r.mean_accepted());
+    if (reports.size() == 2)
+      std::fprintf(stderr, "tokens identical: %s (%zu of %zu requests differ)\nspeedup (medusa / vanilla tokens per second): %.2fx\n",
+                   differ.empty() ? "yes" : "no", differ.size(), prompts.size(), speedup);
+  }
+  if (!differ.empty()) {
+    std::fprintf(stderr, "medusa-run: error: greedy Medusa tokens differ from plain decoding for request %zu\n", differ[0]);
+    return medusa_tools::exit_failure;
+  }
+  return medusa_tools::exit_ok;
+}
+
 int run(run_args a) {
   if (a.max_new_tokens < 0) throw usage_error("--max-new-tokens must be >= 0");
   const int prompt_sources = !a.prompt.empty() + !a.prompt_file.empty() + !a.prompts_file.empty();
@@ -578,6 +730,22 @@ int run(run_args a) {
     throw usage_error("--calibrate-out needs --heads and --policy greedy (it counts the heads against greedy outputs)");
   if ((a.lookup > 0 || a.dynamic) && a.policy == medusa::draft_sampling_policy::name)
     throw usage_error("--policy sampled draws its own drafts: it takes no --lookup or --dynamic");
+  if (a.device != "cpu" && a.device != "cuda") throw usage_error("--device must be cpu or cuda, got " + a.device);
+  const bool cuda = a.device == "cuda";
+  if (cuda) {
+    if (a.policy != medusa::greedy_policy::name)
+      throw usage_error("--device cuda decodes greedily on the device: --policy " + a.policy + " runs on the CPU (--device cpu)");
+    if (a.lookup > 0 || a.dynamic) throw usage_error("--device cuda: --lookup and --dynamic drafts run on the CPU (--device cpu)");
+    if (!a.calibrate_out.empty()) throw usage_error("--device cuda: --calibrate-out runs on the CPU (--device cpu)");
+    if (a.weights || a.classifier_weights)
+      throw usage_error("--device cuda: the GPU engine's precision is --precision f32|f16|bf16, not --weights");
+    // One line and status 1 when there is nothing to run on, before the model loads.
+    if (medusa_llama::cuda_device_count() == 0) {
+      std::fprintf(stderr, "medusa-run: no CUDA device%s\n",
+                   medusa_llama::cuda_engine_compiled() ? "" : " (this build has no CUDA support)");
+      return medusa_tools::exit_failure;
+    }
+  }
   medusa::policy_options popt;
   popt.temperature = a.temperature;
   popt.top_p = a.top_p;
@@ -608,6 +776,16 @@ int run(run_args a) {
   medusa::head_weights head_w;
   if (want_medusa || !a.calibrate_out.empty()) head_w = load_head_weights(a, lm.weights, auto_tree || !tree ? 1 : tree->depth());
 
+  if (cuda) {
+    try {
+      return run_cuda(a, lm, prompts, tree, ain, head_w);
+    } catch (const medusa_llama::engine_error& e) {
+      // A device that is missing or fails is not invalid input: status 1.
+      if (e.code() != medusa_llama::engine_errc::no_device && e.code() != medusa_llama::engine_errc::device_failure) throw;
+      std::fprintf(stderr, "medusa-run: %s\n", e.what());
+      return medusa_tools::exit_failure;
+    }
+  }
   if (batched) {
     int rc = 0;
     medusa::dispatch_policy(a.policy, popt, [&](auto policy) { rc = run_batch(a, lm, prompts, tree, ain, head_w, policy); },
@@ -711,7 +889,7 @@ int run(run_args a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Generate text with a Llama model on the CPU, plainly and with Medusa heads", "medusa-run"};
+  CLI::App app{"Generate text with a Llama model on the CPU or a CUDA GPU, plainly and with Medusa heads", "medusa-run"};
   run_args a;
   app.add_option("--model", a.model, "llama2.c .bin file, GGUF file or Hugging Face model directory")->required();
   app.add_option("--tokenizer", a.tokenizer, "tokenizer (default: tokenizer.bin beside a .bin model, tokenizer.json in a directory, a GGUF file's own)");
@@ -781,5 +959,22 @@ int main(int argc, char** argv) {
       ->transform(CLI::CheckedTransformer(head_formats))
       ->default_str("int8");
   app.add_flag("--json", a.json, "print one JSON line per run instead of streaming text");
+  app.add_option("--device", a.device,
+                 "cpu, or cuda: the GPU engine, greedy decoding with each step one CUDA graph (prompts --batch at a time)")
+      ->capture_default_str();
+  const std::map<std::string, medusa_llama::cuda_precision> precisions{{"f32", medusa_llama::cuda_precision::f32},
+                                                                       {"f16", medusa_llama::cuda_precision::f16},
+                                                                       {"bf16", medusa_llama::cuda_precision::bf16}};
+  app.add_option("--precision", a.precision, "--device cuda: weights, GEMM inputs and KV cache in f32 | f16 | bf16")
+      ->transform(CLI::CheckedTransformer(precisions))
+      ->default_str("bf16");
+  app.add_option_function<std::string>(
+         "--cuda-gemm",
+         [&a](const std::string& v) {
+           if (v != "invariant" && v != "fast") throw usage_error("--cuda-gemm must be invariant or fast, got " + v);
+           a.cuda_gemm_fast = v == "fast";
+         },
+         "--device cuda: invariant (one cuBLASLt algorithm per shape: Medusa reproduces plain decoding bit for bit; "
+         "default) or fast (cuBLASLt's choice per pass size)");
   return medusa_tools::run_tool(app, argc, argv, [&] { return run(a); });
 }

@@ -32,7 +32,7 @@ namespace cuda {
 namespace detail {
 
 template <int DC, class Mask, class KV, class O>
-__global__ void __launch_bounds__(kernels::attention_threads)
+__global__ void __launch_bounds__(kernels::attention_threads, kernels::attention_min_blocks)
     attention_main_kernel(const kernels::attention_plan plan, const kernels::attention_params<KV, O> a) {
   device_context ctx;
   kernels::attention_main_with<DC, Mask>(ctx, plan, a);

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file cuda/heads.cuh
-//! The Medusa heads on the GPU: ResBlocks and vocabulary projections as cuBLAS GEMMs on f16 or
-//! bf16 weights with f32 accumulation, and one fused bias + SiLU + residual epilogue per layer
+//! The Medusa heads on the GPU: ResBlocks and vocabulary projections as cuBLAS GEMMs on f16, bf16 or
+//! f32 weights with f32 accumulation, and one fused bias + SiLU + residual epilogue per layer
 //! (`cuda/kernels/head_epilogue.hpp`). Same maths and logits layout as `head_stack::forward`
 //! (heads.hpp); link `medusa::cuda_blas` (cuBLAS).
 //!
@@ -204,13 +204,14 @@ class host_pointer_mode {
 
 }  // namespace detail
 
-//! Device copies of a `head_stack`'s weights in `T` (f16 or bf16) and the heads' forward on the GPU.
+//! Device copies of a `head_stack`'s weights in `T` (f16, bf16, or f32 for engines that run in
+//! f32: plain f32 GEMMs, no TF32) and the heads' forward on the GPU.
 //!
 //! Layout on the device: ResBlock matrices [L][K][d][d] (layer l of all heads is one [K·d, d]
 //! matrix), biases [L][K][d] in f32, projections [K][V][d] (or the one lm_head [V][d]). Move-only;
 //! the memory is freed with the object.
 template <class T>
-  requires(std::is_same_v<T, half> || std::is_same_v<T, bfloat16>)
+  requires(std::is_same_v<T, half> || std::is_same_v<T, bfloat16> || std::is_same_v<T, float>)
 class device_heads {
  public:
   //! Uploads the weights of `heads` (any static/dynamic counts), converting them to `T` where their

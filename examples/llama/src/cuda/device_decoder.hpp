@@ -34,11 +34,12 @@
 namespace medusa_llama::cuda_detail {
 
 // Why a request of a device decode ended.
-enum class device_stop { length, eos, context, failed };
+enum class device_stop { length, eos, stop_token, context, failed };
 
 struct device_request_result {
   std::vector<std::int32_t> tokens;
   device_stop stop = device_stop::length;
+  int steps = 0;      // steps the request took part in
   std::string error;  // with `failed`: what the step's status said
 };
 
@@ -87,8 +88,9 @@ class device_decoder {
   [[nodiscard]] const device_decode_stats& stats() const noexcept { return stats_; }
 
   // Decodes `prompts` (requests 0..B-1 of the engine) for up to `max_new_tokens` each, greedily.
+  // `eos_token` ends a request unemitted; `stop_token` ends it after it is emitted (-1: none).
   std::vector<device_request_result> generate(std::span<const std::vector<std::int32_t>> prompts, int max_new_tokens,
-                                              int eos_token) {
+                                              int eos_token, int stop_token = -1) {
     using clock = std::chrono::steady_clock;
     const int B = static_cast<int>(prompts.size());
     const model_config& c = eng_.config();
@@ -150,7 +152,7 @@ class device_decoder {
     std::vector<std::int32_t> active_dev(sz(B), 1);
     int live = B;
     if (!medusa()) {  // plain decoding emits the first token now; Medusa emits it as its first root
-      for (int b = 0; b < B; ++b) live -= emit(b, first[sz(b)], max_new_tokens, eos_token, active) ? 0 : 1;
+      for (int b = 0; b < B; ++b) live -= emit(b, first[sz(b)], max_new_tokens, eos_token, stop_token, active) ? 0 : 1;
     }
     std::vector<std::int32_t> out_tokens, out_accept, out_status;
     while (live > 0) {
@@ -183,6 +185,7 @@ class device_decoder {
       ex_.sync();
       for (int b = 0; b < B; ++b) {
         if (!active[sz(b)]) continue;
+        ++results_[sz(b)].steps;
         if (out_status[sz(b)] != 0) {
           results_[sz(b)].error = "request " + std::to_string(b) + ": step " + std::to_string(stats_.steps) + ": " +
                                   std::string(medusa::cuda::to_string(static_cast<medusa::cuda::request_status>(out_status[sz(b)])));
@@ -194,7 +197,7 @@ class device_decoder {
         if (medusa()) ++stats_.accepted[sz(a)];
         length[sz(b)] += a + 1;
         for (int j = 0; j <= a; ++j)
-          if (!emit(b, out_tokens[sz(b) * sz(stride) + sz(j)], max_new_tokens, eos_token, active)) {
+          if (!emit(b, out_tokens[sz(b) * sz(stride) + sz(j)], max_new_tokens, eos_token, stop_token, active)) {
             --live;
             break;
           }
@@ -215,13 +218,17 @@ class device_decoder {
   }
 
   // Appends `token` to request b under its stop rules; false once the request is over.
-  bool emit(int b, std::int32_t token, int max_new_tokens, int eos_token, std::vector<char>& active) {
+  bool emit(int b, std::int32_t token, int max_new_tokens, int eos_token, int stop_token, std::vector<char>& active) {
     if (!active[sz(b)]) return false;
     if (token == eos_token) {
       finish(b, device_stop::eos, active);
       return false;
     }
     results_[sz(b)].tokens.push_back(token);
+    if (token == stop_token) {
+      finish(b, device_stop::stop_token, active);
+      return false;
+    }
     if (static_cast<int>(results_[sz(b)].tokens.size()) >= max_new_tokens) {
       finish(b, device_stop::length, active);
       return false;
@@ -367,10 +374,12 @@ class device_decoder {
     if (!commit_params_) {
       mk::kv_commit_params cp;
       static_cast<mk::batch_kv&>(cp) = eng_.kv_for(d_tables_.template as<const std::int32_t>());
-      cp.batch = {.size = B, .committed_lengths = d_lengths_.template as<const std::int32_t>(),
-                  .paths = d_path_nodes_.template as<const std::int32_t>(),
-                  .new_lengths = d_new_lengths_.template as<std::int32_t>(), .path_stride = stride,
-                  .accept_lengths = d_accept_.template as<const std::int32_t>()};
+      cp.batch.size = B;
+      cp.batch.committed_lengths = d_lengths_.template as<const std::int32_t>();
+      cp.batch.paths = d_path_nodes_.template as<const std::int32_t>();
+      cp.batch.new_lengths = d_new_lengths_.template as<std::int32_t>();
+      cp.batch.path_stride = stride;  // the paths are verify's output rows
+      cp.batch.accept_lengths = d_accept_.template as<const std::int32_t>();
       commit_params_ = cp;
     }
     ex_.kv_commit(*commit_params_);

@@ -203,8 +203,11 @@ class engine_state {
     ex_.upload(dev, staging_.data(), staging_.size() * 4);
     mk::kv_commit_params params;
     static_cast<mk::batch_kv&>(params) = kv_for(dev + table_at);
-    params.batch = {.size = 1, .committed_lengths = dev, .path_offsets = dev + 1, .paths = dev + 3,
-                    .new_lengths = dev + new_length_at};
+    params.batch.size = 1;
+    params.batch.committed_lengths = dev;
+    params.batch.path_offsets = dev + 1;
+    params.batch.paths = dev + 3;
+    params.batch.new_lengths = dev + new_length_at;
     ex_.kv_commit(params);
     std::int32_t got = 0;
     ex_.download(&got, dev + new_length_at, 4);

@@ -23,6 +23,7 @@ namespace mc = medusa::cuda;
 namespace mk = medusa::cuda::kernels;
 
 inline constexpr int row_threads = 128;  // threads of the per-row kernels
+inline constexpr float nan_value = std::numeric_limits<float>::quiet_NaN();  // a value device code may read
 
 // Block-wide sum of one float per thread (the block a multiple of 32 threads, at most 1024);
 // every thread gets the result. `scratch` holds 32 floats of shared memory.
@@ -65,7 +66,7 @@ struct embed_body {
     const std::int32_t token = tokens[t];
     float* dst = x + static_cast<std::size_t>(t) * static_cast<std::size_t>(dim);
     if (token < 0 || token >= vocab) {
-      for (int c = ctx.thread(); c < dim; c += ctx.threads()) dst[c] = std::numeric_limits<float>::quiet_NaN();
+      for (int c = ctx.thread(); c < dim; c += ctx.threads()) dst[c] = nan_value;
       return;
     }
     const T* src = embedding + static_cast<std::size_t>(token) * static_cast<std::size_t>(dim);
@@ -141,8 +142,8 @@ struct rope_kv_body {
       const int a = split_halves ? i : 2 * i;
       const int b = split_halves ? i + half : 2 * i + 1;
       const float v0 = v[a], v1 = v[b];
-      v[a] = pos_ok ? v0 * cs[i] - v1 * sn[i] : std::numeric_limits<float>::quiet_NaN();
-      v[b] = pos_ok ? v0 * sn[i] + v1 * cs[i] : std::numeric_limits<float>::quiet_NaN();
+      v[a] = pos_ok ? v0 * cs[i] - v1 * sn[i] : nan_value;
+      v[b] = pos_ok ? v0 * sn[i] + v1 * cs[i] : nan_value;
     }
     ctx.sync();
     const int b = request_of(qo_indptr, batch, t);

@@ -56,6 +56,15 @@
 #include <string>
 #include <type_traits>
 
+// Unrolls the next loop 4 times: the 32-key P·V and head_dim loops stay out of registers.
+#if defined(__CUDACC__)
+#define MEDUSA_ATTENTION_UNROLL4 _Pragma("unroll 4")
+#elif defined(__clang__)
+#define MEDUSA_ATTENTION_UNROLL4 _Pragma("clang loop unroll_count(4)")
+#else
+#define MEDUSA_ATTENTION_UNROLL4 _Pragma("GCC unroll 4")
+#endif
+
 MEDUSA_NAMESPACE_BEGIN
 namespace cuda {
 namespace kernels {
@@ -67,6 +76,9 @@ inline constexpr int attention_rows_per_warp_max = 4;
 //! Warps of a main-kernel block; threads per block of both kernels.
 inline constexpr int attention_warps = 4;
 inline constexpr int attention_threads = attention_warps * warp_size;
+//! Main-kernel blocks an SM should hold at once (the register budget `__launch_bounds__` sets:
+//! 128 registers a thread), enough warps in flight to hide the K/V loads.
+inline constexpr int attention_min_blocks = 4;
 //! The largest head dimension the kernels take (each lane holds 4 columns at most).
 inline constexpr int attention_head_dim_max = 128;
 //! Dynamic shared memory a main-kernel block may use (the default limit of every device).
@@ -315,9 +327,13 @@ MEDUSA_KERNEL_FN float attention_fma(float a, float b, float c) noexcept {
 }
 
 MEDUSA_KERNEL_FN float attention_max(float a, float b) noexcept { return a > b ? a : b; }
+// std::min / std::max are host functions to nvcc.
+MEDUSA_KERNEL_FN int attention_imin(int a, int b) noexcept { return a < b ? a : b; }
+MEDUSA_KERNEL_FN int attention_imax(int a, int b) noexcept { return a > b ? a : b; }
 
 inline constexpr float attention_neg_inf = -std::numeric_limits<float>::infinity();
 inline constexpr float attention_log2e = 1.44269504088896341f;  // scores are kept in base-2 units
+inline constexpr float attention_nan = std::numeric_limits<float>::quiet_NaN();  // a value device code may read
 
 // What a block knows of its request.
 struct attention_request {
@@ -429,7 +445,7 @@ MEDUSA_KERNEL_FN void attention_tile(Ctx& ctx, attention_row_state<DC>& s, float
   const std::uint32_t seen = ctx.ballot(valid);
   if (seen == 0) return;
   const bool nan = valid && score != score;
-  if (ctx.ballot(nan) != 0) s.l = std::numeric_limits<float>::quiet_NaN();  // a NaN score poisons the row, as on the CPU
+  if (ctx.ballot(nan) != 0) s.l = attention_nan;  // a NaN score poisons the row, as on the CPU
   // NaN kept out of the max, so that every lane agrees on it (and on the return below).
   const float tile_max = attention_warp_max(ctx, valid && !nan ? score : attention_neg_inf);
   if (!(tile_max > attention_neg_inf)) return;  // every visible score is -inf (or NaN, flagged above)
@@ -441,6 +457,7 @@ MEDUSA_KERNEL_FN void attention_tile(Ctx& ctx, attention_row_state<DC>& s, float
   s.m = m_new;
   MEDUSA_UNROLL
   for (int c = 0; c < DC; ++c) s.o[c] *= alpha;
+  MEDUSA_ATTENTION_UNROLL4
   for (int j = 0; j < attention_key_tile; ++j) {
     const float pj = ctx.shfl(p, j);
     const auto row = row_of(j);
@@ -457,6 +474,7 @@ MEDUSA_KERNEL_FN void attention_tile(Ctx& ctx, attention_row_state<DC>& s, float
 template <class K>
 MEDUSA_KERNEL_FN float attention_dot(const float* q, K&& k, int head_dim) noexcept {
   float s = 0.0f;
+  MEDUSA_ATTENTION_UNROLL4
   for (int d = 0; d < head_dim; ++d) s = attention_fma(q[d], k(d), s);
   return s;
 }
@@ -531,6 +549,7 @@ MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, 
   int node[RW], keys[RW];
   bool live[RW];
   int keys_max = 0;  // over the block's rows
+  MEDUSA_UNROLL
   for (int j = 0; j < RW; ++j) {
     const int lr = ctx.warp() * plan.rows_per_warp + j;
     live[j] = j < plan.rows_per_warp && row0 + lr < rows;
@@ -539,13 +558,13 @@ MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, 
   }
   {
     // The most keys of any row of the block: the shared-tile range of causal and custom masks.
-    const int last_row = std::min(rows, row0 + R) - 1;
+    const int last_row = attention_imin(rows, row0 + R) - 1;
     keys_max = Mask::value == attention_mask_kind::causal ? r.length + last_row / G + 1 : key_end;
   }
   // Tiles every row reads in slot order, from shared memory: the committed prefix's whole tiles
   // (tree), or every slot (causal, custom). Tree rows then read their own tail (below).
   const int shared_end = Mask::value == attention_mask_kind::tree ? r.length / KT * KT : keys_max;
-  const int phase1_end = std::min(split_end, shared_end);
+  const int phase1_end = attention_imin(split_end, shared_end);
   for (int t0 = split_begin; t0 < phase1_end; t0 += KT) {
     ctx.sync();  // the previous tile is no longer read
     if (ctx.thread() < KT) {
@@ -567,12 +586,16 @@ MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, 
     const bool in_tile = off_s[ctx.lane()] != ~std::size_t{0};
     // Scores of the warp's rows, K read once for all of them.
     float score[RW];
+    MEDUSA_UNROLL
     for (int j = 0; j < RW; ++j) score[j] = 0.0f;
+    MEDUSA_ATTENTION_UNROLL4
     for (int d = 0; d < D; ++d) {
       const float kd = k_s[ctx.lane() * (D + 1) + d];
+      MEDUSA_UNROLL
       for (int j = 0; j < RW; ++j)
         score[j] = attention_fma(q_s[(ctx.warp() * plan.rows_per_warp + j) * D + d], kd, score[j]);
     }
+    MEDUSA_UNROLL
     for (int j = 0; j < RW; ++j) {
       if (!live[j]) continue;  // the same for the whole warp
       bool valid = in_tile && key < keys[j];
@@ -584,11 +607,12 @@ MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, 
   // Tree rows past the shared tiles: the row's own keys in position order (the rest of the
   // prefix, then its visible tree keys), read from the cache.
   if constexpr (Mask::value == attention_mask_kind::tree) {
+    MEDUSA_UNROLL
     for (int j = 0; j < RW; ++j) {
       if (!live[j]) continue;
       const float* const q = q_s + (ctx.warp() * plan.rows_per_warp + j) * D;
-      const int end = std::min(split_end, keys[j]);
-      for (int t0 = std::max(split_begin, shared_end); t0 < end; t0 += KT) {
+      const int end = attention_imin(split_end, keys[j]);
+      for (int t0 = attention_imax(split_begin, shared_end); t0 < end; t0 += KT) {
         const int key = t0 + ctx.lane();
         int slot = -1;
         if (key < end) slot = key < r.length ? key : r.length + attention_tree_select(a, r, node[j], key - r.length);
@@ -601,6 +625,7 @@ MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, 
     }
   }
   // Results: the output when the row's keys fit one split, else this split's partial.
+  MEDUSA_UNROLL
   for (int j = 0; j < RW; ++j) {
     if (!live[j]) continue;
     const int nsplits = (keys[j] + split - 1) / split;
@@ -677,7 +702,7 @@ MEDUSA_KERNEL_FN void attention_merge_with(Ctx& ctx, const attention_plan& plan,
       if (d < D) o[cc] = attention_fma(po[d], w, o[cc]);
     }
   }
-  if (nan) l = std::numeric_limits<float>::quiet_NaN();
+  if (nan) l = attention_nan;
   O* dst = a.out + static_cast<std::size_t>(t) * static_cast<std::size_t>(a.out_row_stride) +
            static_cast<std::size_t>(h) * static_cast<std::size_t>(D);
   MEDUSA_UNROLL

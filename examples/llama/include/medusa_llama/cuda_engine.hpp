@@ -1,0 +1,174 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file cuda_engine.hpp
+//! The example Llama engine on a CUDA GPU, and greedy Medusa decoding with the whole step on the
+//! device (docs/cuda.md walks through it). This header needs no CUDA headers; without a CUDA build
+//! or without a device, construction throws `engine_error` (`no_device`).
+//!
+//! - `cuda_engine`: the model's weights in f32, f16 or bf16 on the device, a paged KV pool in device
+//!   memory, cuBLASLt GEMMs, the library's tree attention. It is a `medusa::batch_decoder_model` that
+//!   commits accepted paths itself (`commit`: the decoders never touch device memory), so
+//!   `medusa::batch_decoder` drives it with any policy, drafts or tree.
+//! - `cuda_decoder`: greedy decoding of a batch where a step never leaves the device: heads,
+//!   candidates, the tree forward, verification, the KV commit and the bookkeeping are one CUDA
+//!   graph, replayed every step; the host reads back the committed tokens.
+//!
+//! @code
+//! medusa_llama::cuda_engine gpu(medusa_llama::model::load_llama2c("model.bin"),
+//!                               {.precision = medusa_llama::cuda_precision::bf16});
+//! auto loaded = medusa::load_heads("heads/");                  // <medusa/io.hpp>
+//! auto tree = medusa::tree::preset("mc_sim_7b_63");
+//! medusa_llama::cuda_decoder medusa_dec(gpu, loaded.heads.view(), tree), plain_dec(gpu);
+//! auto a = medusa_dec.generate(prompts, 256);                  // the same tokens as
+//! auto b = plain_dec.generate(prompts, 256);                   // plain greedy decoding
+//! @endcode
+#pragma once
+
+#include <medusa/decoder/model.hpp>
+#include <medusa/heads.hpp>
+#include <medusa/tree.hpp>
+#include <medusa_llama/errors.hpp>
+#include <medusa_llama/model.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace medusa_llama {
+
+//! Precision of the weights, the GEMM inputs and the KV cache on the GPU. GEMMs accumulate in f32;
+//! the residual stream, logits and hidden states are f32 in every case.
+enum class cuda_precision { f32, f16, bf16 };
+
+//! Name of a precision ("f32", "f16", "bf16").
+[[nodiscard]] constexpr const char* to_string(cuda_precision p) noexcept {
+  return p == cuda_precision::f32 ? "f32" : p == cuda_precision::f16 ? "f16" : "bf16";
+}
+
+//! Sizes, device and precision of a `cuda_engine`.
+struct cuda_engine_options {
+  cuda_precision precision = cuda_precision::bf16;  //!< weights, GEMM inputs and KV cache
+  int device = 0;          //!< CUDA device ordinal
+  int page_size = 16;      //!< KV slots per page
+  int num_pages = 0;       //!< pages in the pool; 0 = enough for `max_requests` full contexts
+  int max_requests = 8;    //!< request ids are `0 .. max_requests-1`
+  int max_context = 0;     //!< most slots of one request; 0 = the model's seq_len
+  int max_tokens = 512;    //!< most tokens in one pass (sizes the activations); longer prefills run in passes
+  int kv_split = 0;        //!< keys per attention split (a multiple of 32); 0 = from max_context
+  //! One cuBLASLt algorithm per weight shape for every pass size (no split-K): a row's logits do
+  //! not depend on the pass it is in, so greedy Medusa reproduces plain decoding bit for bit.
+  //! `false` lets cuBLASLt pick per pass size (faster small passes; outputs may differ in the
+  //! last bits, and then at near-ties in the tokens).
+  bool batch_invariant = true;
+};
+
+//! True when this build has the CUDA engine (nvcc was found at configure time).
+[[nodiscard]] bool cuda_engine_compiled() noexcept;
+//! CUDA devices visible to this process; 0 without a driver, a device or a CUDA build.
+[[nodiscard]] int cuda_device_count() noexcept;
+
+//! A model on a CUDA device: a `medusa::batch_decoder_model` with the `reserve`, `release`,
+//! `max_context` and `commit` hooks.
+class cuda_engine {
+ public:
+  //! Each request of a pass may bring its own tree (`ragged_batch::request_masks`).
+  static constexpr bool accepts_request_masks = true;
+
+  //! Uploads the weights (converted to the precision), allocates the KV pool and the activations.
+  //! Throws `engine_error`: `no_device` (no CUDA build, no device, or `device` out of range),
+  //! `bad_option` (options out of range), `device_failure` (allocation or a CUDA call failed).
+  explicit cuda_engine(const model& m, cuda_engine_options options = {});
+  cuda_engine(const cuda_engine&) = delete;
+  cuda_engine& operator=(const cuda_engine&) = delete;
+  cuda_engine(cuda_engine&&) noexcept;
+  cuda_engine& operator=(cuda_engine&&) noexcept;
+  ~cuda_engine();
+
+  [[nodiscard]] const model_config& config() const noexcept;          //!< the model's configuration
+  [[nodiscard]] const cuda_engine_options& options() const noexcept;  //!< after defaults were resolved
+  [[nodiscard]] std::string device_name() const;                      //!< e.g. "NVIDIA H100 80GB HBM3"
+  [[nodiscard]] std::size_t weight_bytes() const noexcept;            //!< bytes one forward streams
+  [[nodiscard]] int vocab_size() const noexcept;
+  [[nodiscard]] int hidden_size() const noexcept;
+  [[nodiscard]] int max_context() const noexcept;
+
+  //! Maps pages to `request` until slots `[0, slots)` are addressable (see `batch_engine::reserve`).
+  void reserve(int request, int slots);
+  //! Returns `request`'s pages wholly past slot `length` to the pool.
+  void release(int request, int length);
+  //! Runs a ragged batch (see `medusa::ragged_batch` and `batch_engine::forward`): inputs copied to
+  //! the device, logits and hidden states copied back. Throws `engine_error` before the device is
+  //! touched for any inconsistent argument.
+  void forward(const medusa::ragged_batch& batch);
+  //! Moves the K/V rows of `request`'s accepted `path` (a tree pass of `num_tree_nodes` at
+  //! `committed_length`) to `[L, L + path.size())` on the device; returns the new length.
+  int commit(int request, int committed_length, int num_tree_nodes, std::span<const int> path);
+
+ private:
+  friend class cuda_decoder;
+  struct impl;
+  std::unique_ptr<impl> p_;
+};
+
+static_assert(medusa::batch_decoder_model<cuda_engine>);
+static_assert(medusa::kv_committing_model<cuda_engine>);
+static_assert(medusa::kv_reserving_model<cuda_engine>);
+
+//! Why a request of a `cuda_decoder::generate` ended.
+enum class cuda_stop {
+  length,      //!< max_new_tokens reached
+  eos,         //!< the EOS token (not emitted)
+  stop_token,  //!< the stop token (emitted)
+  context,     //!< the next step would not fit the context
+  failed,      //!< the device reported bad data (the result's `error` says what)
+};
+
+//! One request's output.
+struct cuda_request_result {
+  std::vector<std::int32_t> tokens;  //!< generated tokens
+  cuda_stop stop = cuda_stop::length;
+  int steps = 0;      //!< steps the request took part in
+  std::string error;  //!< with `failed`: the request, the step and the status
+};
+
+//! Figures of the last `generate`.
+struct cuda_decode_stats {
+  int steps = 0;                    //!< graph replays
+  std::vector<long long> accepted;  //!< Medusa: request steps by accepted drafts (0..depth)
+  double prefill_seconds = 0;       //!< the prompts' forward
+  double decode_seconds = 0;        //!< capture, steps and downloads
+};
+
+//! Greedy decoding of a batch on the engine's device, one CUDA graph per step (see the file
+//! comment). Requests 0..B-1 of the engine are used and released again.
+class cuda_decoder {
+ public:
+  //! Plain decoding: one token per request per step.
+  explicit cuda_decoder(cuda_engine& engine);
+  //! Medusa decoding over `tree` with the first `tree.depth()` of `heads` (uploaded in the
+  //! engine's precision; at most 5 are used). The weights `heads` views must outlive the decoder.
+  //! Throws `engine_error` (`bad_option`) for a tree of one node, too few heads, or heads of
+  //! another hidden or vocabulary size.
+  cuda_decoder(cuda_engine& engine, const medusa::head_stack<>& heads, const medusa::tree& tree);
+  cuda_decoder(const cuda_decoder&) = delete;
+  cuda_decoder& operator=(const cuda_decoder&) = delete;
+  cuda_decoder(cuda_decoder&&) noexcept;
+  cuda_decoder& operator=(cuda_decoder&&) noexcept;
+  ~cuda_decoder();
+
+  //! Decodes every prompt for up to `max_new_tokens` tokens (fewer at EOS, the stop token or the
+  //! context's end). `eos_token` ends a request without being emitted; `stop_token` is emitted,
+  //! then ends it (-1: none). Throws `engine_error` for an empty prompt, more prompts than the
+  //! engine's requests, a batch of trees beyond `max_tokens`, or a device failure.
+  std::vector<cuda_request_result> generate(std::span<const std::vector<std::int32_t>> prompts, int max_new_tokens,
+                                            int eos_token = -1, int stop_token = -1);
+  //! Figures of the last `generate`.
+  [[nodiscard]] const cuda_decode_stats& stats() const noexcept;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> p_;
+};
+
+}  // namespace medusa_llama

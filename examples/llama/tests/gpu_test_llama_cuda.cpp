@@ -1,0 +1,278 @@
+// SPDX-License-Identifier: Apache-2.0
+// The GPU engine on a device: greedy tokens equal to the shared models' references, logits within
+// a stated tolerance of the CPU engine, a row's logits independent of the pass it is in (the
+// batch-invariant GEMMs and attention), and Medusa decoding (the whole step one CUDA graph) equal
+// to plain decoding on every shared model, with random heads and, when MEDUSA_GPU_HEADS names a
+// directory of pycode-15m heads (medusa-train output), trained ones. Exits 77 (ctest: skipped)
+// without a CUDA device or without CUDA support in the build.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <medusa_llama/cuda_engine.hpp>
+#include <medusa_llama/llama.hpp>
+#include <medusa_llama/load.hpp>
+
+#include <medusa/decoder.hpp>
+#include <medusa/io.hpp>
+#include <medusa/tree.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+using namespace medusa_llama;
+
+namespace {
+
+const fs::path models = fs::path(MEDUSA_SHARED_DIR) / "models";
+
+bool have(const fs::path& p) {
+  if (fs::exists(p)) return true;
+  MESSAGE("skipped: " << p.string() << " is absent");
+  return false;
+}
+
+// Every element within `tol` of the largest |want|.
+void check_close(const std::vector<float>& got, const std::vector<float>& want, float tol, const char* what) {
+  REQUIRE(got.size() == want.size());
+  float scale = 0.0f, worst = 0.0f;
+  for (float w : want) scale = std::max(scale, std::fabs(w));
+  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - want[i]));
+  MESSAGE(what << ": largest difference " << worst / scale << " of the scale " << scale);
+  CHECK(worst <= tol * scale);
+}
+
+// Last-row logits of a prompt prefilled as request 0 of `e` (any batch model).
+template <class Engine>
+std::vector<float> prefill_logits(Engine& e, const std::vector<std::int32_t>& prompt) {
+  const int V = e.vocab_size();
+  std::vector<float> logits(static_cast<std::size_t>(V));
+  std::vector<std::int32_t> pos(prompt.size());
+  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int32_t>(i);
+  const int requests[] = {0}, indptr[] = {0, static_cast<int>(prompt.size())}, lengths[] = {0};
+  e.reserve(0, static_cast<int>(prompt.size()));
+  medusa::ragged_batch b;
+  b.requests = requests;
+  b.qo_indptr = indptr;
+  b.tokens = prompt;
+  b.positions = pos;
+  b.cache_lengths = lengths;
+  b.last_row_only = true;
+  b.logits = logits;
+  e.forward(b);
+  e.release(0, 0);
+  return logits;
+}
+
+// Plain and Medusa device decoding of `prompts` give the same tokens.
+void check_lossless(cuda_engine& e, const medusa::head_stack<>& heads, const medusa::tree& tree,
+                    const std::vector<std::vector<std::int32_t>>& prompts, int n) {
+  cuda_decoder plain(e), med(e, heads, tree);
+  const auto p = plain.generate(prompts, n);
+  const auto m = med.generate(prompts, n);
+  REQUIRE(p.size() == m.size());
+  for (std::size_t b = 0; b < p.size(); ++b) {
+    CAPTURE(b);
+    CHECK(m[b].tokens == p[b].tokens);
+  }
+  double accepted = 0, steps = 0;
+  for (std::size_t a = 0; a < med.stats().accepted.size(); ++a) {
+    accepted += static_cast<double>(a) * static_cast<double>(med.stats().accepted[a]);
+    steps += static_cast<double>(med.stats().accepted[a]);
+  }
+  MESSAGE(tree.num_nodes() << "-node tree: " << (steps > 0 ? 1.0 + accepted / steps : 0.0) << " tokens per step; plain "
+                           << p[0].tokens.size() << " tokens");
+}
+
+}  // namespace
+
+TEST_CASE("stories260K (f32): greedy from BOS prints run.c's reference text") {
+  const auto dir = models / "stories260K";
+  if (!have(dir / "stories260K.bin") || !have(dir / "reference-greedy-200.txt")) return;
+  const auto loaded = load(dir / "stories260K.bin", dir / "tok512.bin");
+  cuda_engine e(loaded.weights, {.precision = cuda_precision::f32, .max_requests = 1});
+  MESSAGE("device: " << e.device_name());
+  cuda_decoder plain(e);
+  const std::vector<std::vector<std::int32_t>> prompts = {{1}};
+  const auto r = plain.generate(prompts, 200, -1, /*stop on BOS*/ 1);
+  std::string printed;
+  int prev = 1;
+  for (int t : r[0].tokens) {
+    printed += run_c_printable(loaded.tok->decode_piece(prev, t));
+    prev = t;
+  }
+  printed += "\n";
+  std::ifstream in(dir / "reference-greedy-200.txt", std::ios::binary);
+  const std::string want(std::istreambuf_iterator<char>(in), {});
+  CHECK(r[0].tokens.size() == 200);
+  CHECK(printed == want);
+}
+
+TEST_CASE("pycode-15m (f32): greedy continuations of the five prompts, batched, match the float64 reference") {
+  const auto dir = models / "pycode-15m";
+  if (!have(dir / "model.bin") || !have(dir / "reference-greedy.json")) return;
+  const auto m = model::load_llama2c(dir / "model.bin");
+  std::ifstream in(dir / "reference-greedy.json");
+  const auto j = nlohmann::json::parse(in);
+  std::vector<std::vector<std::int32_t>> prompts, want;
+  for (const auto& c : j.at("cases")) {
+    prompts.push_back(c.at("prompt_ids").get<std::vector<std::int32_t>>());
+    want.push_back(c.at("greedy_ids").get<std::vector<std::int32_t>>());
+  }
+  cuda_engine e(m, {.precision = cuda_precision::f32, .max_requests = static_cast<int>(prompts.size())});
+  cuda_decoder plain(e);
+  const auto r = plain.generate(prompts, j.at("new_tokens").get<int>());
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    CAPTURE(i);
+    CHECK(r[i].tokens == want[i]);
+  }
+}
+
+TEST_CASE("logits within a stated tolerance of the CPU engine: f32 1e-4, bf16 and f16 3e-2 of the largest logit") {
+  const auto dir = models / "pycode-15m";
+  if (!have(dir / "model.bin")) return;
+  const auto m = model::load_llama2c(dir / "model.bin");
+  std::vector<std::int32_t> prompt = {1};
+  for (int i = 0; i < 120; ++i) prompt.push_back(3 + (i * 37) % 250);
+  batch_engine cpu(m, {.max_requests = 1});
+  const auto want = prefill_logits(cpu, prompt);
+  for (const cuda_precision p : {cuda_precision::f32, cuda_precision::bf16, cuda_precision::f16}) {
+    CAPTURE(to_string(p));
+    cuda_engine e(m, {.precision = p, .max_requests = 1});
+    check_close(prefill_logits(e, prompt), want, p == cuda_precision::f32 ? 1e-4f : 3e-2f, to_string(p));
+  }
+}
+
+TEST_CASE("a row's logits do not depend on the pass: a chunk equals its tokens decoded one by one, bit for bit") {
+  const auto dir = models / "pycode-15m";
+  if (!have(dir / "model.bin")) return;
+  const auto m = model::load_llama2c(dir / "model.bin");
+  for (const cuda_precision p : {cuda_precision::bf16, cuda_precision::f32}) {
+    CAPTURE(to_string(p));
+    cuda_engine e(m, {.precision = p, .max_requests = 2});
+    const int V = e.vocab_size(), n = 40;
+    std::vector<std::int32_t> tokens(n), pos(n);
+    for (int i = 0; i < n; ++i) {
+      tokens[static_cast<std::size_t>(i)] = 3 + (i * 53) % 500;
+      pos[static_cast<std::size_t>(i)] = i;
+    }
+    // request 0: the whole chunk, every row
+    e.reserve(0, n);
+    std::vector<float> chunk(static_cast<std::size_t>(n * V));
+    const int r0[] = {0}, ind[] = {0, n}, len0[] = {0};
+    medusa::ragged_batch b;
+    b.requests = r0;
+    b.qo_indptr = ind;
+    b.tokens = tokens;
+    b.positions = pos;
+    b.cache_lengths = len0;
+    b.logits = chunk;
+    e.forward(b);
+    // request 1: one token at a time
+    e.reserve(1, n);
+    std::vector<float> one(static_cast<std::size_t>(V));
+    int differ = 0;
+    for (int i = 0; i < n; ++i) {
+      const int r1[] = {1}, ind1[] = {0, 1}, len1[] = {i};
+      medusa::ragged_batch s;
+      s.requests = r1;
+      s.qo_indptr = ind1;
+      s.tokens = std::span<const std::int32_t>(tokens).subspan(static_cast<std::size_t>(i), 1);
+      s.positions = std::span<const std::int32_t>(pos).subspan(static_cast<std::size_t>(i), 1);
+      s.cache_lengths = len1;
+      s.logits = one;
+      e.forward(s);
+      differ += std::memcmp(one.data(), chunk.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(V),
+                            static_cast<std::size_t>(V) * sizeof(float)) != 0;
+    }
+    CHECK(differ == 0);
+    e.release(0, 0);
+    e.release(1, 0);
+  }
+}
+
+TEST_CASE("Medusa on the device equals plain decoding on every shared model, random heads, f32 and bf16") {
+  struct shared_model {
+    fs::path path;
+    std::vector<std::vector<std::int32_t>> prompts;
+  };
+  const std::vector<shared_model> all = {
+      {models / "stories260K" / "stories260K.bin", {{1}, {1, 403, 407, 261}}},
+      {models / "pycode-15m" / "model.bin", {{1, 1017, 1496}, {1, 378, 1193, 1002, 1028}, {1}}},
+      {models / "tinystories-656K", {{1}, {1, 420, 261}}},
+  };
+  for (const auto& sm : all) {
+    if (!have(sm.path)) continue;
+    CAPTURE(sm.path.string());
+    const auto m = fs::is_directory(sm.path) ? model::load_hf(sm.path) : model::load_llama2c(sm.path);
+    const medusa::head_weights hw = random_heads(m, 4, 3);
+    for (const cuda_precision p : {cuda_precision::f32, cuda_precision::bf16}) {
+      CAPTURE(to_string(p));
+      cuda_engine e(m, {.precision = p, .max_requests = 4});
+      const auto heads = hw.kind() == medusa::projection_kind::per_head
+                             ? hw.view()
+                             : hw.view(medusa::weight_ptr::of(m.classifier()), static_cast<std::size_t>(m.config().vocab_size));
+      check_lossless(e, heads, medusa::tree::preset("mc_sim_7b_63"), sm.prompts, 256);
+      check_lossless(e, heads, medusa::tree::from_text("[[0],[0,0],[0,0,0]]"), sm.prompts, 200);
+    }
+  }
+}
+
+TEST_CASE("Medusa on the device with trained pycode-15m heads (MEDUSA_GPU_HEADS) equals plain decoding") {
+  const char* dir = std::getenv("MEDUSA_GPU_HEADS");
+  if (dir == nullptr) {
+    MESSAGE("skipped: MEDUSA_GPU_HEADS is not set (a directory of pycode-15m heads from medusa-train)");
+    return;
+  }
+  const auto path = models / "pycode-15m" / "model.bin";
+  if (!have(path)) return;
+  const auto m = model::load_llama2c(path);
+  medusa::head_load_options opt;
+  opt.hidden_size = static_cast<std::size_t>(m.config().dim);
+  opt.vocab_size = static_cast<std::size_t>(m.config().vocab_size);
+  opt.dtype = medusa::weight_dtype::f32;
+  const auto loaded = medusa::load_heads(dir, opt);
+  const auto heads = loaded.heads.view();
+  const std::vector<std::vector<std::int32_t>> prompts = {{1, 1017, 1496, 270}, {1, 378, 1193}, {1}, {1, 1002, 1028, 270}};
+  for (const cuda_precision p : {cuda_precision::f32, cuda_precision::bf16}) {
+    CAPTURE(to_string(p));
+    cuda_engine e(m, {.precision = p, .max_requests = 4});
+    for (const char* preset : {"mc_sim_7b_63", "vicuna_7b_stage2"}) {
+      const auto tree = medusa::tree::preset(preset);
+      if (tree.depth() <= static_cast<int>(heads.num_heads())) check_lossless(e, heads, tree, prompts, 256);
+    }
+  }
+}
+
+TEST_CASE("bad input: a tree deeper than the heads, an empty prompt, too many prompts") {
+  const auto path = models / "stories260K" / "stories260K.bin";
+  if (!have(path)) return;
+  const auto m = model::load_llama2c(path);
+  cuda_engine e(m, {.max_requests = 2});
+  const medusa::head_weights hw = random_heads(m, 2, 1);
+  CHECK_THROWS_AS(cuda_decoder(e, hw.view(), medusa::tree::from_text("[[0],[0,0],[0,0,0]]")), engine_error);
+  cuda_decoder plain(e);
+  const std::vector<std::vector<std::int32_t>> empty = {{}};
+  CHECK_THROWS_AS(plain.generate(empty, 4), engine_error);
+  const std::vector<std::vector<std::int32_t>> three = {{1}, {1}, {1}};
+  CHECK_THROWS_AS(plain.generate(three, 4), engine_error);
+}
+
+int main(int argc, char** argv) {
+  if (cuda_device_count() == 0) {
+    std::puts(cuda_engine_compiled() ? "no CUDA device: GPU tests skipped" : "no CUDA support in this build: GPU tests skipped");
+    return 77;
+  }
+  doctest::Context ctx(argc, argv);
+  return ctx.run();
+}
