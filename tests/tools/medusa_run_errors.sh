@@ -34,11 +34,19 @@ case $case in
   prompts_empty)     want=2; pat='no prompt';             args=(--model "$pycode" --mode vanilla --prompts-file "$scratch/no_prompts.txt") ;;
   prompts_long)      want=2; pat='prompt #2 of';          args=(--model "$pycode" --mode vanilla --prompts-file "$scratch/long_prompts.txt") ;;
   prompts_and_prompt) want=2; pat='give one of';          args=(--model "$pycode" --mode vanilla --prompt x --prompts-file "$scratch/prompts.txt") ;;
+  cuda_no_device)    want=1; pat='^medusa-run: no CUDA device'; args=(--model "$pycode" --mode vanilla --device cuda --max-new-tokens 4) ;;
+  cuda_bad_device)   want=2; pat='--device must be cpu or cuda'; args=(--model "$pycode" --mode vanilla --device gpu) ;;
+  cuda_policy)       want=2; pat='decodes greedily';      args=(--model "$pycode" --heads random:2 --device cuda --policy typical) ;;
+  cuda_lookup)       want=2; pat='--lookup and --dynamic'; args=(--model "$pycode" --heads random:2 --device cuda --lookup 4) ;;
+  cuda_weights)      want=2; pat='--precision';           args=(--model "$pycode" --mode vanilla --device cuda --weights bf16) ;;
+  cuda_precision)    want=2; pat='--precision';           args=(--model "$pycode" --mode vanilla --device cuda --precision f8) ;;
   *) echo "unknown case $case"; exit 1 ;;
 esac
 
 err=$("$tool" "${args[@]}" 2>&1 >/dev/null)
 rc=$?
+# With a CUDA device the no-device case decodes instead: nothing to check here.
+if [ "$case" = cuda_no_device ] && [ "$rc" -eq 0 ]; then echo "a CUDA device is present: skipped"; exit 77; fi
 echo "exit $rc: $err"
 if [ "$rc" -ne "$want" ]; then echo "FAIL: expected exit $want"; exit 1; fi
 if [ "$(printf '%s\n' "$err" | wc -l)" -ne 1 ]; then echo "FAIL: expected exactly one line on stderr"; exit 1; fi
