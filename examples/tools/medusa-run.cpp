@@ -576,35 +576,10 @@ int run_cuda(const run_args& a, medusa_llama::loaded_model& lm, const std::vecto
   const auto& cfg = lm.weights.config();
   const bool want_medusa = a.mode != run_mode::vanilla;
   const int B = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(*a.batch), prompts.size()));
-  nlohmann::json tree_info;
-  if (want_medusa && !tree) {
-    // --tree auto: the best tree for the heads' calibration under a GPU step-cost curve (--step-cost),
-    // or a small chain for heads without a calibration.
-    const int heads = static_cast<int>(head_w.num_heads());
-    if (ain.calibration && ain.given_cost) {
-      const auto plan = medusa::optimize_tree(*ain.calibration, medusa_tools::per_request_curve(*ain.given_cost, B, a.max_nodes),
-                                              {.max_nodes = a.max_nodes, .max_depth = std::min(heads, 5)});
-      medusa::tree_options topt;
-      topt.topk = std::max(medusa::default_topk, ain.calibration->topk());
-      tree = medusa::tree::from_paths(plan.paths, topt);
-      tree_info = describe(*tree, "auto");
-      tree_info["predicted_speedup"] = plan.predicted_speedup;
-      tree_info["step_cost"] = {{"source", "file"}, {"file", a.step_cost_file}};
-    } else if (ain.calibration) {
-      throw usage_error("--device cuda --tree auto: the heads have a calibration, but no GPU step-cost curve: pass --step-cost F "
-                        "(bench_cuda_engine --step-cost-out F writes one) or an explicit --tree");
-    } else {
-      tree = medusa::tree::from_paths(medusa_tools::chain_paths(std::min(heads, 3)));
-      tree_info = describe(*tree, "auto");
-      tree_info["reason"] = ain.random_heads ? "random heads: a small chain" : "no calibration.json beside the heads: a small chain";
-    }
-  } else if (want_medusa) {
-    tree_info = describe(*tree, a.tree);
-  }
   medusa_llama::cuda_engine_options eo;
   eo.precision = a.precision;
   eo.max_requests = B;
-  eo.max_tokens = std::max(512, B * (tree ? tree->num_nodes() : 1));
+  eo.max_tokens = std::max(512, B * (tree ? tree->num_nodes() : want_medusa ? a.max_nodes : 1));
   eo.batch_invariant = !a.cuda_gemm_fast;
   medusa_llama::cuda_engine eng(lm.weights, eo);
   const nlohmann::json device = {{"device", "cuda"}, {"name", eng.device_name()}, {"precision", medusa_llama::to_string(a.precision)},
@@ -617,6 +592,50 @@ int run_cuda(const run_args& a, medusa_llama::loaded_model& lm, const std::vecto
     stack.emplace(head_w.kind() == medusa::projection_kind::per_head
                       ? head_w.view()
                       : head_w.view(medusa::weight_ptr::of(lm.weights.classifier()), static_cast<std::size_t>(cfg.vocab_size)));
+  nlohmann::json tree_info;
+  if (want_medusa && !tree) {
+    // --tree auto: the best tree for the heads' calibration under this GPU's step-cost curve
+    // (measured now, or --step-cost), or a small chain for heads without a calibration.
+    const int heads = std::min(static_cast<int>(head_w.num_heads()), 5);  // the device step takes 5 heads at most
+    if (ain.calibration) {
+      std::vector<int> rows;
+      for (int n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256})
+        if (n == 1 || n <= std::max(2, B * a.max_nodes)) rows.push_back(n);
+      int mean_prompt = 0;
+      for (const auto& p : prompts) mean_prompt += static_cast<int>(p.size());
+      mean_prompt /= static_cast<int>(prompts.size());
+      const auto t0 = std::chrono::steady_clock::now();
+      const medusa::step_cost_curve curve =
+          ain.given_cost ? *ain.given_cost
+                         : eng.measure_step_cost({.rows = rows, .context = mean_prompt + a.max_new_tokens / 2, .repeats = 10}, &*stack);
+      const double measured = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (!a.step_cost_out.empty()) {
+        std::ofstream out(a.step_cost_out, std::ios::binary);
+        out << medusa::step_cost_json(curve);
+        if (!out) throw medusa::io_error("--step-cost-out " + a.step_cost_out + ": cannot write");
+      }
+      const auto plan = medusa::optimize_tree(*ain.calibration, medusa_tools::per_request_curve(curve, B, a.max_nodes),
+                                              {.max_nodes = a.max_nodes, .max_depth = heads});
+      medusa::tree_options topt;
+      topt.topk = std::max(medusa::default_topk, ain.calibration->topk());
+      tree = medusa::tree::from_paths(plan.paths, topt);
+      tree_info = describe(*tree, "auto");
+      tree_info["expected_tokens_per_step"] = plan.expected_tokens;
+      tree_info["relative_step_cost"] = plan.relative_cost;
+      tree_info["predicted_speedup"] = plan.predicted_speedup;
+      tree_info["step_cost"] = {{"source", ain.given_cost ? "file" : "measured on the device"},
+                                {"file", a.step_cost_file}, {"measure_seconds", ain.given_cost ? 0.0 : measured}};
+      if (!a.json)
+        std::fprintf(stderr, "tree auto: %d nodes: %.2f tokens/step expected, a step costs %.2fx a plain one, predicted speedup %.2fx\n",
+                     tree->num_nodes(), plan.expected_tokens, plan.relative_cost, plan.predicted_speedup);
+    } else {
+      tree = medusa::tree::from_paths(medusa_tools::chain_paths(std::min(heads, 3)));
+      tree_info = describe(*tree, "auto");
+      tree_info["reason"] = ain.random_heads ? "random heads: a small chain" : "no calibration.json beside the heads: a small chain";
+    }
+  } else if (want_medusa) {
+    tree_info = describe(*tree, a.tree);
+  }
   const int eos = lm.tok->eos_id(), bos = lm.tok->bos_id();
   auto stop_of = [](medusa_llama::cuda_stop s) {
     switch (s) {

@@ -344,3 +344,53 @@ TEST_CASE("stories260K on the emulated GPU engine: greedy tokens equal the CPU e
   for (std::size_t b = 0; b < prompts.size(); ++b)
     CHECK(r[b].tokens == std::vector<std::int32_t>(p[b].tokens.begin(), p[b].tokens.begin() + 48));
 }
+
+TEST_CASE("synthetic weights of a shape, made by the fill kernel: deterministic, finite, and lossless under Medusa") {
+  model_config c = small_model(rope_style::adjacent_pairs, 2, 1).config();
+  cd::host_executor ex;
+  auto logits_of = [&](std::uint64_t seed) {
+    cd::engine_state<cd::host_executor, medusa::bfloat16> gpu(ex, cd::device_weights<cd::host_executor, medusa::bfloat16>(ex, c, seed),
+                                                              limits());
+    gpu.reserve(0, 8);
+    const std::int32_t tok[] = {1, 5, 9, 2}, pos[] = {0, 1, 2, 3};
+    const int req[] = {0}, indptr[] = {0, 4}, len[] = {0};
+    std::vector<float> logits(4 * sz(c.vocab_size));
+    medusa::ragged_batch b;
+    b.requests = req;
+    b.qo_indptr = indptr;
+    b.tokens = tok;
+    b.positions = pos;
+    b.cache_lengths = len;
+    b.logits = logits;
+    gpu.forward(b);
+    return logits;
+  };
+  const auto a = logits_of(3), again = logits_of(3), other = logits_of(4);
+  CHECK(a == again);
+  CHECK(a != other);
+  for (float x : a) REQUIRE(std::isfinite(x));
+  cd::engine_state<cd::host_executor, medusa::bfloat16> gpu(ex, cd::device_weights<cd::host_executor, medusa::bfloat16>(ex, c, 5),
+                                                            limits(160, 3 * 16));
+  const medusa::head_weights hw = random_heads(model::random(c, 1), 3, 2);
+  const auto stack = hw.view();
+  const auto tree = medusa::tree::from_text("[[0],[1],[0,0],[0,0,0],[1,0]]");
+  std::mt19937 rng(8);
+  const std::vector<std::vector<std::int32_t>> prompts = {random_tokens(rng, 7, 97), random_tokens(rng, 3, 97)};
+  cd::device_decoder<cd::host_executor, medusa::bfloat16> plain(gpu, nullptr, nullptr), med(gpu, &tree, &stack);
+  CHECK(tokens_of(med.generate(prompts, 24, -1)) == tokens_of(plain.generate(prompts, 24, -1)));
+}
+
+TEST_CASE("step cost on the executor: a time for each size after the context, and the heads' time") {
+  const model m = small_model(rope_style::adjacent_pairs, 2, 51);
+  cd::host_executor ex;
+  cd::engine_state<cd::host_executor, float> gpu(ex, m, limits());
+  const int rows[] = {1, 4, 12};
+  const auto t = gpu.measure_forward(rows, 40, 2);
+  REQUIRE(t.size() == 3);
+  for (double s : t) CHECK(s > 0.0);
+  CHECK(gpu.pages().mapped_slots(0) == 0);  // the request's pages are given back
+  const medusa::head_weights hw = random_heads(m, 2, 3);
+  CHECK(gpu.measure_heads(hw.view(), 2) > 0.0);
+  const int too_many[] = {1, 49};  // max_tokens is 48
+  CHECK_THROWS_AS(gpu.measure_forward(too_many, 10, 1), engine_error);
+}

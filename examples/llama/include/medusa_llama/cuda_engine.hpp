@@ -24,6 +24,7 @@
 #pragma once
 
 #include <medusa/decoder/model.hpp>
+#include <medusa/decoder/step_cost.hpp>
 #include <medusa/heads.hpp>
 #include <medusa/tree.hpp>
 #include <medusa_llama/errors.hpp>
@@ -79,6 +80,11 @@ class cuda_engine {
   //! Throws `engine_error`: `no_device` (no CUDA build, no device, or `device` out of range),
   //! `bad_option` (options out of range), `device_failure` (allocation or a CUDA call failed).
   explicit cuda_engine(const model& m, cuda_engine_options options = {});
+  //! An engine of `config`'s shape with random weights made on the device (projections uniform
+  //! in ±1/sqrt(inputs), norms 1): benchmarks of real shapes (7B) without their checkpoints.
+  //! Throws as the constructor does, and `bad_option` for an invalid `config`.
+  [[nodiscard]] static cuda_engine synthetic(const model_config& config, cuda_engine_options options = {},
+                                             std::uint64_t seed = 0);
   cuda_engine(const cuda_engine&) = delete;
   cuda_engine& operator=(const cuda_engine&) = delete;
   cuda_engine(cuda_engine&&) noexcept;
@@ -105,8 +111,20 @@ class cuda_engine {
   //! `committed_length`) to `[L, L + path.size())` on the device; returns the new length.
   int commit(int request, int committed_length, int num_tree_nodes, std::span<const int> path);
 
+  //! The device's step-cost curve (`medusa::optimize_tree` picks a tree with it): the forward pass
+  //! of each `opt.rows` tokens after `opt.context` slots of request `opt.request`, each captured as
+  //! a CUDA graph and timed by CUDA events (the fastest of `opt.repeats` rounds of 5 replays), and,
+  //! with `heads`, the heads' time per head on one hidden state. The request's cache is
+  //! overwritten and its pages released: measure on a free request. Throws `engine_error`
+  //! (`bad_option` for sizes that do not fit the engine) and `medusa::invalid_input` for rows not
+  //! ascending from 1.
+  [[nodiscard]] medusa::step_cost_curve measure_step_cost(const medusa::step_cost_options& opt,
+                                                          const medusa::head_stack<>* heads = nullptr);
+
  private:
   friend class cuda_decoder;
+  // The weights of `m`, or random ones of `config`'s shape when `m` is null.
+  cuda_engine(const model_config& config, const model* m, cuda_engine_options options, std::uint64_t seed);
   struct impl;
   std::unique_ptr<impl> p_;
 };
@@ -138,6 +156,7 @@ struct cuda_decode_stats {
   std::vector<long long> accepted;  //!< Medusa: request steps by accepted drafts (0..depth)
   double prefill_seconds = 0;       //!< the prompts' forward
   double decode_seconds = 0;        //!< capture, steps and downloads
+  double step_seconds = 0;          //!< the steps alone: graph replays and their downloads
 };
 
 //! Greedy decoding of a batch on the engine's device, one CUDA graph per step (see the file

@@ -35,6 +35,8 @@ struct engine_iface {
   virtual void reserve(int request, int slots) = 0;
   virtual void release(int request, int length) = 0;
   virtual std::unique_ptr<decoder_iface> decoder(const medusa::tree* tree, const medusa::head_stack<>* heads) = 0;
+  virtual std::vector<double> measure_forward(std::span<const int> rows, int context, int repeats, int request) = 0;
+  virtual double measure_heads(const medusa::head_stack<>& heads, int repeats) = 0;
 };
 
 template <class T>
@@ -52,7 +54,8 @@ struct decoder_impl final : decoder_iface {
 template <class T>
 struct engine_impl final : engine_iface {
   cuda_detail::engine_state<device_executor, T> s;
-  engine_impl(device_executor& ex, const model& m, const cuda_detail::engine_limits& lim) : s(ex, m, lim) {}
+  engine_impl(device_executor& ex, cuda_detail::device_weights<device_executor, T> w, const cuda_detail::engine_limits& lim)
+      : s(ex, std::move(w), lim) {}
   void forward(const medusa::ragged_batch& b) override { s.forward(b); }
   int commit(int request, int length, int nodes, std::span<const int> path) override {
     return s.commit(request, length, nodes, path);
@@ -62,6 +65,10 @@ struct engine_impl final : engine_iface {
   std::unique_ptr<decoder_iface> decoder(const medusa::tree* tree, const medusa::head_stack<>* heads) override {
     return std::make_unique<decoder_impl<T>>(s, tree, heads);
   }
+  std::vector<double> measure_forward(std::span<const int> rows, int context, int repeats, int request) override {
+    return s.measure_forward(rows, context, repeats, request);
+  }
+  double measure_heads(const medusa::head_stack<>& heads, int repeats) override { return s.measure_heads(heads, repeats); }
 };
 
 // Runs `f`, turning the CUDA layer's own exceptions into engine_error (device_failure).
@@ -98,8 +105,18 @@ struct cuda_engine::impl {
   std::unique_ptr<engine_iface> e;
 };
 
-cuda_engine::cuda_engine(const model& m, cuda_engine_options o) {
-  const model_config& c = m.config();
+cuda_engine::cuda_engine(const model& m, cuda_engine_options o) : cuda_engine(m.config(), &m, o, 0) {}
+
+cuda_engine cuda_engine::synthetic(const model_config& c, cuda_engine_options o, std::uint64_t seed) {
+  try {
+    c.validate("synthetic model");
+  } catch (const load_error& e) {
+    throw engine_error(engine_errc::bad_option, e.what());
+  }
+  return cuda_engine(c, nullptr, o, seed);
+}
+
+cuda_engine::cuda_engine(const model_config& c, const model* m, cuda_engine_options o, std::uint64_t seed) {
   o = cuda_detail::resolve_options(c, o);
   const int devices = cuda_device_count();
   if (devices == 0) throw engine_error(engine_errc::no_device, "no CUDA device");
@@ -113,11 +130,16 @@ cuda_engine::cuda_engine(const model& m, cuda_engine_options o) {
   const cuda_detail::engine_limits lim{.max_requests = o.max_requests, .max_context = o.max_context,
                                        .max_tokens = o.max_tokens, .page_size = o.page_size,
                                        .num_pages = o.num_pages, .kv_split = o.kv_split};
+  auto make = [&](auto element) -> std::unique_ptr<engine_iface> {
+    using T = decltype(element);
+    if (m != nullptr) return std::make_unique<engine_impl<T>>(*p->ex, cuda_detail::device_weights<device_executor, T>(*p->ex, *m), lim);
+    return std::make_unique<engine_impl<T>>(*p->ex, cuda_detail::device_weights<device_executor, T>(*p->ex, c, seed), lim);
+  };
   on_device([&] {
     switch (o.precision) {
-      case cuda_precision::f32: p->e = std::make_unique<engine_impl<float>>(*p->ex, m, lim); break;
-      case cuda_precision::f16: p->e = std::make_unique<engine_impl<medusa::half>>(*p->ex, m, lim); break;
-      case cuda_precision::bf16: p->e = std::make_unique<engine_impl<medusa::bfloat16>>(*p->ex, m, lim); break;
+      case cuda_precision::f32: p->e = make(float{}); break;
+      case cuda_precision::f16: p->e = make(medusa::half{}); break;
+      case cuda_precision::bf16: p->e = make(medusa::bfloat16{}); break;
     }
     p->ex->sync();
   });
@@ -144,6 +166,22 @@ void cuda_engine::forward(const medusa::ragged_batch& batch) {
 }
 int cuda_engine::commit(int request, int committed_length, int num_tree_nodes, std::span<const int> path) {
   return on_device([&] { return p_->e->commit(request, committed_length, num_tree_nodes, path); });
+}
+
+medusa::step_cost_curve cuda_engine::measure_step_cost(const medusa::step_cost_options& opt, const medusa::head_stack<>* heads) {
+  medusa::step_cost_curve curve{.rows = opt.rows, .seconds = std::vector<double>(opt.rows.size(), 1.0)};
+  curve.validate();  // rows ascending from 1
+  if (opt.repeats < 1) throw engine_error(engine_errc::bad_option, "step cost: repeats must be >= 1");
+  if (opt.request < 0 || opt.request >= p_->opt.max_requests)
+    throw engine_error(engine_errc::bad_request, "step cost: request " + std::to_string(opt.request) + " is outside [0, " +
+                                                     std::to_string(p_->opt.max_requests) + ")");
+  const int context = std::min(opt.context, p_->opt.max_context - opt.rows.back());
+  curve.seconds = on_device([&] { return p_->e->measure_forward(opt.rows, context, opt.repeats, opt.request); });
+  for (std::size_t i = 1; i < curve.seconds.size(); ++i) curve.seconds[i] = std::max(curve.seconds[i], curve.seconds[i - 1]);
+  if (heads != nullptr && heads->num_heads() > 0)
+    curve.head_seconds = on_device([&] { return p_->e->measure_heads(*heads, opt.repeats); }) /
+                         static_cast<double>(heads->num_heads());
+  return curve;
 }
 
 struct cuda_decoder::impl {
@@ -176,7 +214,7 @@ std::vector<cuda_request_result> cuda_decoder::generate(std::span<const std::vec
   auto r = on_device([&] { return p_->d->generate(prompts, max_new_tokens, eos_token, stop_token); });
   const cuda_detail::device_decode_stats& s = p_->d->stats();
   p_->stats = {.steps = s.steps, .accepted = s.accepted, .prefill_seconds = s.prefill_seconds,
-               .decode_seconds = s.decode_seconds};
+               .decode_seconds = s.decode_seconds, .step_seconds = s.step_seconds};
   std::vector<cuda_request_result> out;
   out.reserve(r.size());
   for (auto& x : r) out.push_back({std::move(x.tokens), stop_of(x.stop), x.steps, std::move(x.error)});

@@ -21,8 +21,12 @@ struct cuda_engine::impl {
   model_config cfg;
 };
 
-cuda_engine::cuda_engine(const model& m, cuda_engine_options o) {
-  (void)cuda_detail::resolve_options(m.config(), o);
+cuda_engine::cuda_engine(const model& m, cuda_engine_options o) : cuda_engine(m.config(), &m, o, 0) {}
+cuda_engine cuda_engine::synthetic(const model_config& c, cuda_engine_options o, std::uint64_t seed) {
+  return cuda_engine(c, nullptr, o, seed);
+}
+cuda_engine::cuda_engine(const model_config& c, const model*, cuda_engine_options o, std::uint64_t) {
+  (void)cuda_detail::resolve_options(c, o);
   no_cuda();
 }
 cuda_engine::cuda_engine(cuda_engine&&) noexcept = default;
@@ -40,6 +44,7 @@ void cuda_engine::reserve(int, int) { no_cuda(); }
 void cuda_engine::release(int, int) { no_cuda(); }
 void cuda_engine::forward(const medusa::ragged_batch&) { no_cuda(); }
 int cuda_engine::commit(int, int, int, std::span<const int>) { no_cuda(); }
+medusa::step_cost_curve cuda_engine::measure_step_cost(const medusa::step_cost_options&, const medusa::head_stack<>*) { no_cuda(); }
 
 struct cuda_decoder::impl {
   cuda_decode_stats stats;

@@ -47,7 +47,8 @@ struct device_decode_stats {
   int steps = 0;                     // replays
   std::vector<long long> accepted;   // Medusa: histogram of accepted drafts per request step
   double prefill_seconds = 0;
-  double decode_seconds = 0;         // the steps, replay and download included
+  double decode_seconds = 0;         // capture, steps and downloads
+  double step_seconds = 0;           // the steps alone: replays and their downloads
 };
 
 // The first `n` heads of `stack` (the ones a tree of depth n reaches).
@@ -155,6 +156,7 @@ class device_decoder {
       for (int b = 0; b < B; ++b) live -= emit(b, first[sz(b)], max_new_tokens, eos_token, stop_token, active) ? 0 : 1;
     }
     std::vector<std::int32_t> out_tokens, out_accept, out_status;
+    const auto t2 = clock::now();
     while (live > 0) {
       // A request whose next step would not fit its context ends here.
       bool changed = false;
@@ -203,6 +205,7 @@ class device_decoder {
           }
       }
     }
+    stats_.step_seconds = std::chrono::duration<double>(clock::now() - t2).count();
     stats_.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
     for (int b = 0; b < B; ++b) eng_.release(b, 0);
     return std::move(results_);

@@ -262,6 +262,22 @@ class device_executor {
     return {std::shared_ptr<CUgraphExec_st>(exec, [](cudaGraphExec_t x) { (void)cudaGraphExecDestroy(x); })};
   }
   void replay(const graph& g) { check_cuda(cudaGraphLaunch(g.exec.get(), stream_), "cudaGraphLaunch"); }
+  // Mean seconds of `n` back-to-back replays of `g`, by CUDA events on the stream.
+  double time_replays(const graph& g, int n) {
+    cudaEvent_t start = nullptr, stop = nullptr;
+    check_cuda(cudaEventCreate(&start), "cudaEventCreate");
+    check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
+    cudaError_t e = cudaEventRecord(start, stream_);
+    for (int i = 0; i < n && e == cudaSuccess; ++i) e = cudaGraphLaunch(g.exec.get(), stream_);
+    if (e == cudaSuccess) e = cudaEventRecord(stop, stream_);
+    if (e == cudaSuccess) e = cudaEventSynchronize(stop);
+    float ms = 0.0f;
+    if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, start, stop);
+    (void)cudaEventDestroy(start);
+    (void)cudaEventDestroy(stop);
+    check_cuda(e, "timing replays");
+    return static_cast<double>(ms) * 1e-3 / n;
+  }
 
  private:
   static constexpr std::size_t lt_ws_bytes = std::size_t{32} << 20;

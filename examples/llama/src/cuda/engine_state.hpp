@@ -12,6 +12,7 @@
 #include <medusa/cuda/kernels/batch_kv.hpp>
 #include <medusa/cuda/kernels/kv_commit.hpp>
 #include <medusa/decoder/model.hpp>
+#include <medusa/heads.hpp>
 #include <medusa/kv_cache.hpp>
 
 #include "../layer_stack.hpp"
@@ -22,6 +23,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace medusa_llama::cuda_detail {
@@ -42,12 +44,14 @@ class engine_state {
   static constexpr bool accepts_request_masks = true;
 
   engine_state(Exec& ex, const model& m, const engine_limits& lim)
+      : engine_state(ex, device_weights<Exec, T>(ex, m), lim) {}
+  engine_state(Exec& ex, device_weights<Exec, T> w, const engine_limits& lim)
       : ex_(ex),
-        core_(ex, m, {.max_tokens = lim.max_tokens, .max_batch = lim.max_requests, .max_context = lim.max_context,
-                      .kv_split = lim.kv_split}),
+        core_(ex, std::move(w), {.max_tokens = lim.max_tokens, .max_batch = lim.max_requests,
+                                 .max_context = lim.max_context, .kv_split = lim.kv_split}),
         lim_(lim),
         pages_(lim.num_pages, lim.page_size, lim.max_requests, lim.max_context) {
-    const model_config& c = m.config();
+    const model_config& c = core_.config();
     blocks_ = static_cast<int>(medusa::kv_pages_for(lim.max_context, lim.page_size));
     const std::size_t pool = sz(c.n_layers) * sz(lim.num_pages) * sz(lim.page_size) * sz(c.kv_dim());
     k_pool_ = buffer<Exec>(ex, pool * sizeof(T));
@@ -175,6 +179,94 @@ class engine_state {
       }
       ex_.sync();
     });
+  }
+
+  // Seconds of one forward pass of each of `rows` tokens (causal: a chain costs what a tree of as
+  // many nodes does) after `context` committed slots of `request`, each the fastest mean of
+  // `repeats` rounds of 5 replays of its captured graph. The request's slots [0, context + max)
+  // are overwritten: measure on a free request. Logits are computed, as in a decoding step.
+  std::vector<double> measure_forward(std::span<const int> rows, int context, int repeats, int request = 0) {
+    const int max_rows = *std::max_element(rows.begin(), rows.end());
+    if (max_rows > lim_.max_tokens || context < 0 || context + max_rows > lim_.max_context)
+      throw engine_error(engine_errc::bad_option, "step cost: " + std::to_string(max_rows) + " rows after " +
+                                                      std::to_string(context) + " slots do not fit max_tokens " +
+                                                      std::to_string(lim_.max_tokens) + " and max_context " +
+                                                      std::to_string(lim_.max_context));
+    pages_.release(request, 0);
+    pages_.reserve(request, context + max_rows);
+    const model_config& c = config();
+    // The context's K/V: a causal prefill of arbitrary tokens, in passes.
+    if (context > 0) {
+      std::vector<std::int32_t> t(sz(context)), pos(sz(context));
+      for (int i = 0; i < context; ++i) {
+        t[sz(i)] = (i * 7 + 1) % c.vocab_size;
+        pos[sz(i)] = i;
+      }
+      const int req[1] = {request}, indptr[2] = {0, context}, len[1] = {0};
+      medusa::ragged_batch b;
+      b.requests = req;
+      b.qo_indptr = indptr;
+      b.tokens = t;
+      b.positions = pos;
+      b.cache_lengths = len;
+      forward(b);
+    }
+    std::vector<double> out;
+    for (const int n : rows) {
+      std::vector<std::int32_t> t(sz(n)), pos(sz(n));
+      for (int i = 0; i < n; ++i) {
+        t[sz(i)] = (i * 13 + 5) % c.vocab_size;
+        pos[sz(i)] = context + i;
+      }
+      const std::int32_t indptr[2] = {0, n}, len[1] = {context};
+      const int req[1] = {request};
+      table_rows(req, tables_);
+      ex_.upload(d_tokens_.template as<void>(), t.data(), sz(n) * 4);
+      ex_.upload(d_positions_.template as<void>(), pos.data(), sz(n) * 4);
+      ex_.upload(d_indptr_.template as<void>(), indptr, 8);
+      ex_.upload(d_lengths_.template as<void>(), len, 4);
+      ex_.upload(d_tables_.template as<void>(), tables_.data(), tables_.size() * 4);
+      pass_desc pd;
+      pd.tokens = n;
+      pd.batch = 1;
+      pd.max_tokens_per_request = n;
+      pd.token_ids = d_tokens_.template as<const std::int32_t>();
+      pd.positions = d_positions_.template as<const std::int32_t>();
+      pd.qo_indptr = d_indptr_.template as<const std::int32_t>();
+      pd.cache_lengths = d_lengths_.template as<const std::int32_t>();
+      pd.kv = kv_for(d_tables_.template as<const std::int32_t>());
+      pd.out_rows = n;
+      pd.logits = d_logits_.template as<float>();
+      core_.run(pd);  // outside the capture: lazy initialisations happen here
+      ex_.sync();
+      auto graph = ex_.capture([&] { core_.run(pd); });
+      double best = 0.0;
+      for (int r = 0; r < repeats; ++r) {
+        const double s = ex_.time_replays(graph, 5);
+        best = r == 0 ? s : std::min(best, s);
+      }
+      out.push_back(best);
+    }
+    pages_.release(request, 0);
+    return out;
+  }
+
+  // Seconds of the heads (the first `count` of `stack`) on one hidden state: the fastest mean of
+  // `repeats` rounds of 5 replays.
+  double measure_heads(const medusa::head_stack<>& stack, int repeats) {
+    const model_config& c = config();
+    auto op = ex_.template make_heads_op<T>(stack, 1);
+    buffer<Exec> h(ex_, sz(c.dim) * sizeof(T)), logits(ex_, stack.num_heads() * sz(c.vocab_size) * sizeof(float));
+    ex_.fill_zero(h.template as<void>(), h.bytes());
+    ex_.heads(op, h.template as<const T>(), logits.template as<float>());
+    ex_.sync();
+    auto graph = ex_.capture([&] { ex_.heads(op, h.template as<const T>(), logits.template as<float>()); });
+    double best = 0.0;
+    for (int r = 0; r < repeats; ++r) {
+      const double s = ex_.time_replays(graph, 5);
+      best = r == 0 ? s : std::min(best, s);
+    }
+    return best;
   }
 
   // Moves request `request`'s accepted rows `path` (tree pass of `nodes` nodes at L) to

@@ -114,7 +114,9 @@ struct device_weights {
   std::vector<layer> layers;
   bool shared_classifier = true;
 
-  device_weights(Exec& ex, const model& m) {
+  model_config config;
+
+  device_weights(Exec& ex, const model& m) : config(m.config()) {
     const model_config& c = m.config();
     const std::size_t d = sz(c.dim), kvd = sz(c.kv_dim()), H = sz(c.hidden_dim), V = sz(c.vocab_size);
     embedding = upload_as<T>(ex, m.token_embedding(), V * d);
@@ -132,7 +134,42 @@ struct device_weights {
       dl.w2 = upload_as<T>(ex, w.w2, d * H);
       layers.push_back(std::move(dl));
     }
-    // The CPU engine's tables, to the bit: freq = θ^(−2i/D) in float, angle = pos · freq.
+    upload_rope(ex);
+  }
+
+  // Random weights of `c`'s shape made on the device (benchmarks of real shapes without their
+  // checkpoints): projections uniform in ±1/sqrt(inputs), the embedding in ±1, norms 1.
+  device_weights(Exec& ex, const model_config& c, std::uint64_t seed) : config(c) {
+    const std::size_t d = sz(c.dim), kvd = sz(c.kv_dim()), H = sz(c.hidden_dim), V = sz(c.vocab_size);
+    std::uint64_t salt = seed * 0x2545F4914F6CDD1Dull + 1;
+    auto fill = [&](buffer<Exec>& b, std::size_t n, float scale, auto element) {
+      using E = decltype(element);
+      b = buffer<Exec>(ex, n * sizeof(E));
+      const int blocks = static_cast<int>(std::min<std::size_t>((n + 255) / 256, 4096));
+      ex.launch({.grid_x = blocks, .grid_y = 1, .threads = 256, .shared_bytes = 0},
+                fill_body<E>{b.template as<E>(), n, scale, 1.0f, salt++});
+    };
+    const float in_d = 1.0f / std::sqrt(static_cast<float>(d)), in_h = 1.0f / std::sqrt(static_cast<float>(H));
+    fill(embedding, V * d, 1.0f, T{});
+    shared_classifier = c.shared_classifier;
+    if (!shared_classifier) fill(classifier, V * d, in_d, T{});
+    fill(rms_final, d, 0.0f, float{});
+    for (int l = 0; l < c.n_layers; ++l) {
+      layer dl;
+      fill(dl.rms_att, d, 0.0f, float{});
+      fill(dl.wqkv, (d + 2 * kvd) * d, in_d, T{});
+      fill(dl.wo, d * d, in_d, T{});
+      fill(dl.rms_ffn, d, 0.0f, float{});
+      fill(dl.w13, 2 * H * d, in_d, T{});
+      fill(dl.w2, d * H, in_h, T{});
+      layers.push_back(std::move(dl));
+    }
+    upload_rope(ex);
+  }
+
+  // The CPU engine's RoPE tables, to the bit: freq = θ^(−2i/D) in float, angle = pos · freq.
+  void upload_rope(Exec& ex) {
+    const model_config& c = config;
     const int hd = c.head_dim(), half = hd / 2;
     std::vector<float> cs(sz(c.seq_len) * sz(half)), sn(cs.size());
     for (int pos = 0; pos < c.seq_len; ++pos)
@@ -183,7 +220,8 @@ struct forward_sizes {
 template <class Exec, class T>
 class forward_core {
  public:
-  forward_core(Exec& ex, const model& m, const forward_sizes& s) : ex_(ex), c_(m.config()), w_(ex, m), s_(s) {
+  forward_core(Exec& ex, device_weights<Exec, T> w, const forward_sizes& s)
+      : ex_(ex), c_(w.config), w_(std::move(w)), s_(s) {
     namespace mk = medusa::cuda::kernels;
     if (s_.kv_split == 0) s_.kv_split = mk::default_attention_kv_split(s_.max_context);
     const std::size_t rows = sz(s.max_tokens), d = sz(c_.dim), H = sz(c_.hidden_dim);

@@ -19,6 +19,7 @@
 #include <medusa/tree.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -190,6 +191,12 @@ class host_executor {
     return graph(std::forward<F>(f));
   }
   void replay(const graph& g) { g(); }
+  // Mean seconds of `n` replays of `g`.
+  double time_replays(const graph& g, int n) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n; ++i) g();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / n;
+  }
 
   [[nodiscard]] long long launches() const noexcept { return launches_; }
   [[nodiscard]] long long gemms() const noexcept { return gemms_; }

@@ -50,6 +50,33 @@ MEDUSA_KERNEL_FN int request_of(const std::int32_t* qo_indptr, int batch, int t)
   return lo;
 }
 
+// Synthetic weights made where they live: uniform in [-scale, scale) from a hash of (seed, index),
+// or `value` everywhere when scale is 0. Any grid (a grid-stride loop).
+template <class T>
+struct fill_body {
+  static constexpr int max_threads = 256;
+  T* out = nullptr;
+  std::size_t n = 0;
+  float scale = 0.0f;
+  float value = 0.0f;
+  std::uint64_t seed = 0;
+
+  template <class Ctx>
+  MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
+    const std::size_t step = static_cast<std::size_t>(ctx.grid_x()) * static_cast<std::size_t>(ctx.threads());
+    for (std::size_t i = static_cast<std::size_t>(ctx.block_x()) * static_cast<std::size_t>(ctx.threads()) +
+                         static_cast<std::size_t>(ctx.thread());
+         i < n; i += step) {
+      std::uint64_t x = seed ^ (i * 0x9E3779B97F4A7C15ull);  // splitmix64
+      x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+      x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+      x ^= x >> 31;
+      const float u = static_cast<float>(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
+      out[i] = mc::store_float<T>(scale != 0.0f ? scale * u : value);
+    }
+  }
+};
+
 // x[t] = embedding[tokens[t]] as float, one block per token. A token outside the vocabulary gives
 // a NaN row, which the verify and top-k kernels then report as the request's status.
 template <class T>
