@@ -58,7 +58,6 @@ enum class engine_errc {
   out_of_pages,    //!< the KV page pool has too few free pages for a reservation
   no_device,       //!< no CUDA device (or a build without CUDA) for the GPU engine
   device_failure,  //!< a CUDA or cuBLAS call of the GPU engine failed (the message has the status)
-  bad_data,        //!< a device-side step found bad data: non-finite logits, a token out of range
 };
 
 //! Name of an `engine_errc` value ("bad_batch", ...).
@@ -75,7 +74,6 @@ enum class engine_errc {
     case engine_errc::out_of_pages: return "out_of_pages";
     case engine_errc::no_device: return "no_device";
     case engine_errc::device_failure: return "device_failure";
-    case engine_errc::bad_data: return "bad_data";
   }
   return "unknown";
 }
