@@ -337,6 +337,41 @@ struct batch_fixture {
   }
 };
 
+// Node u of request 0 of the tree batch `tree` (its parents `parents`) decoded alone: the same
+// cache with u's ancestors' rows committed at L, L+1, ... and u's at L + depth, one causal query
+// (u's). Its output must have the bits of u's row in the tree pass.
+template <class KV>
+batch_fixture<KV> alone_fixture(const batch_fixture<KV>& tree, const std::vector<int>& parents, int u, std::mt19937& rng) {
+  std::vector<int> path;
+  for (int x = u; x >= 0; x = parents[static_cast<std::size_t>(x)]) path.push_back(x);
+  std::reverse(path.begin(), path.end());
+  const int depth = static_cast<int>(path.size()) - 1;
+  const int L = tree.req[0].L;
+  shape sa = tree.s;
+  sa.mask = attention_mask_kind::causal;
+  batch_fixture<KV> alone(sa, {{L + depth, 1, {}}}, rng);
+  alone.k = tree.k;
+  alone.v = tree.v;
+  alone.tables = tree.tables;
+  alone.num_pages = tree.num_pages;
+  alone.blocks = tree.blocks;
+  // element offset of (layer, slot, head 0) of request 0
+  const auto row_of = [&](int slot) {
+    if (tree.s.page_size == 0)
+      return static_cast<std::size_t>(slot * tree.s.hkv * tree.s.dim) +
+             static_cast<std::size_t>(tree.s.layer) * static_cast<std::size_t>(tree.B * tree.s.capacity * tree.s.hkv * tree.s.dim);
+    return tree.paged_view(0).mapping().offset(tree.s.layer, slot, 0);
+  };
+  // The path's rows to L, L+1, ... in ascending order (path[j] >= j: no row is clobbered).
+  for (int j = 0; j <= depth; ++j)
+    for (std::size_t e = 0; e < static_cast<std::size_t>(tree.s.hkv * tree.s.dim); ++e) {
+      alone.k[row_of(L + j) + e] = tree.k[row_of(L + path[static_cast<std::size_t>(j)]) + e];
+      alone.v[row_of(L + j) + e] = tree.v[row_of(L + path[static_cast<std::size_t>(j)]) + e];
+    }
+  std::copy_n(tree.q.data() + static_cast<std::size_t>(u * tree.q_stride), tree.s.hq * tree.s.dim, alone.q.data());
+  return alone;
+}
+
 inline void check_close(const std::vector<float>& got, const std::vector<float>& want, float tol) {
   REQUIRE(got.size() == want.size());
   for (std::size_t i = 0; i < got.size(); ++i)

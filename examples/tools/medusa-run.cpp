@@ -468,6 +468,53 @@ void set_weight_formats(Options& eo, const run_args& a, const medusa_llama::mode
   else if (!a.weights) eo.classifier_weights = native_format(m.classifier_stored());
 }
 
+// The output of a many-prompt run (--prompts-file, or --device cuda): with --json one line per
+// request and mode, then `summary` completed with each mode's figures and, for two modes, whether
+// the tokens are identical and the speedup; else each request's text (of the last mode) and the
+// figures on stderr. `greedy`: differing tokens are an error (exit 1). `note` follows the speedup.
+int report_batch(const run_args& a, const std::vector<batch_report>& reports, std::size_t requests, int batch,
+                 nlohmann::json summary, bool greedy, const std::string& note) {
+  std::vector<std::size_t> differ;
+  if (reports.size() == 2)
+    for (std::size_t i = 0; i < requests; ++i)
+      if (reports[0].results[i].tokens != reports[1].results[i].tokens) differ.push_back(i);
+  const double speedup = reports.size() == 2 ? speedup_of(reports[0].tokens_per_second(), reports[1].tokens_per_second()) : 0.0;
+  if (a.json) {
+    for (const auto& r : reports)
+      for (std::size_t i = 0; i < requests; ++i) {
+        run_report one{r.mode, r.results[i], r.texts[i], {}};
+        auto j = to_json(one);
+        j["request"] = i;
+        std::printf("%s\n", json_line(j).c_str());
+      }
+    for (const auto& r : reports) summary[r.mode].update(to_json(r));
+    if (reports.size() == 2) {
+      summary["identical"] = differ.empty();
+      summary["differing_requests"] = differ;
+      summary["speedup"] = speedup;
+    }
+    std::printf("%s\n", json_line(summary).c_str());
+  } else {
+    const auto& last = reports.back();
+    for (std::size_t i = 0; i < requests; ++i)
+      std::printf("--- request %zu (%s, %s) ---\n%s\n", i, last.mode.c_str(),
+                  std::string(medusa::to_string(last.results[i].reason)).c_str(), last.texts[i].c_str());
+    std::fflush(stdout);
+    for (const auto& r : reports)
+      std::fprintf(stderr, "%-7s %zu requests, batch %d: %ld tokens in %6.3f s: %7.1f tokens/s, %5.2f tokens/step\n",
+                   r.mode.c_str(), requests, batch, r.tokens(), r.seconds, r.tokens_per_second(), r.mean_accepted());
+    if (reports.size() == 2)
+      std::fprintf(stderr, "tokens identical: %s (%zu of %zu requests differ)%s\nspeedup (medusa / vanilla tokens per second): %.2fx%s\n",
+                   differ.empty() ? "yes" : "no", differ.size(), requests,
+                   greedy ? "" : " (only greedy decoding is expected to match token for token)", speedup, note.c_str());
+  }
+  if (greedy && !differ.empty()) {
+    std::fprintf(stderr, "medusa-run: error: greedy Medusa tokens differ from plain decoding for request %zu\n", differ[0]);
+    return medusa_tools::exit_failure;
+  }
+  return medusa_tools::exit_ok;
+}
+
 // --prompts-file: every prompt decoded plainly and/or with Medusa, `--batch` at a time, on the
 // serving engine (one ragged forward per step over a paged KV pool).
 template <class Policy>
@@ -518,54 +565,14 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   if (!a.calibrate_out.empty()) write_calibration(a, eng, head_w, prompts, reports[0].results);
 
   // Lossless check: with greedy acceptance every request's Medusa tokens are its plain tokens.
-  std::vector<std::size_t> differ;
-  if (reports.size() == 2)
-    for (std::size_t i = 0; i < prompts.size(); ++i)
-      if (reports[0].results[i].tokens != reports[1].results[i].tokens) differ.push_back(i);
   constexpr bool greedy = std::is_same_v<Policy, medusa::greedy_policy>;
-  const double speedup = reports.size() == 2 ? speedup_of(reports[0].tokens_per_second(), reports[1].tokens_per_second()) : 0.0;
-
-  if (a.json) {
-    for (const auto& r : reports)
-      for (std::size_t i = 0; i < prompts.size(); ++i) {
-        run_report one{r.mode, r.results[i], r.texts[i], {}};
-        auto j = to_json(one);
-        j["request"] = i;
-        std::printf("%s\n", json_line(j).c_str());
-      }
-    nlohmann::json summary = {{"batch", *a.batch}, {"requests", prompts.size()}, {"threads", eng.threads()},
-                              {"max_new_tokens", a.max_new_tokens}, {"weights", weights_json(eng.options())}};
-    for (const auto& r : reports) summary[r.mode] = to_json(r);
-    if (tree) {
-      summary["tree"] = choice.info;
-      summary["tree"]["drafts"] = describe_drafts(a);
-    }
-    if (reports.size() == 2) {
-      summary["identical"] = differ.empty();
-      summary["differing_requests"] = differ;
-      summary["speedup"] = speedup;
-    }
-    std::printf("%s\n", json_line(summary).c_str());
-  } else {
-    const auto& last = reports.back();
-    for (std::size_t i = 0; i < prompts.size(); ++i)
-      std::printf("--- request %zu (%s, %s) ---\n%s\n", i, last.mode.c_str(),
-                  std::string(medusa::to_string(last.results[i].reason)).c_str(), last.texts[i].c_str());
-    std::fflush(stdout);
-    for (const auto& r : reports)
-      std::fprintf(stderr, "%-7s %zu requests, batch %d: %ld tokens in %6.3f s: %7.1f tokens/s, %5.2f tokens/step\n",
-                   r.mode.c_str(), prompts.size(), *a.batch, r.tokens(), r.seconds, r.tokens_per_second(), r.mean_accepted());
-    if (reports.size() == 2)
-      std::fprintf(stderr, "tokens identical: %s (%zu of %zu requests differ)%s\nspeedup (medusa / vanilla tokens per second): %.2fx%s\n",
-                   differ.empty() ? "yes" : "no", differ.size(), prompts.size(),
-                   greedy ? "" : " (only greedy decoding is expected to match token for token)", speedup,
-                   greedy ? predicted_note(choice.info).c_str() : "");
+  nlohmann::json summary = {{"batch", *a.batch}, {"requests", prompts.size()}, {"threads", eng.threads()},
+                            {"max_new_tokens", a.max_new_tokens}, {"weights", weights_json(eng.options())}};
+  if (tree) {
+    summary["tree"] = choice.info;
+    summary["tree"]["drafts"] = describe_drafts(a);
   }
-  if (greedy && !differ.empty()) {
-    std::fprintf(stderr, "medusa-run: error: greedy Medusa tokens differ from plain decoding for request %zu\n", differ[0]);
-    return medusa_tools::exit_failure;
-  }
-  return medusa_tools::exit_ok;
+  return report_batch(a, reports, prompts.size(), *a.batch, summary, greedy, greedy ? predicted_note(choice.info) : "");
 }
 
 // --device cuda: the GPU engine and greedy decoding with the whole step on the device (one CUDA
@@ -688,49 +695,12 @@ int run_cuda(const run_args& a, medusa_llama::loaded_model& lm, const std::vecto
     medusa_llama::cuda_decoder med(eng, *stack, *tree);
     one("medusa", med);
   }
-  std::vector<std::size_t> differ;
-  if (reports.size() == 2)
-    for (std::size_t i = 0; i < prompts.size(); ++i)
-      if (reports[0].results[i].tokens != reports[1].results[i].tokens) differ.push_back(i);
-  const double speedup = reports.size() == 2 ? speedup_of(reports[0].tokens_per_second(), reports[1].tokens_per_second()) : 0.0;
-  if (a.json) {
-    for (const auto& r : reports)
-      for (std::size_t i = 0; i < prompts.size(); ++i) {
-        run_report one_report{r.mode, r.results[i], r.texts[i], {}};
-        auto j = to_json(one_report);
-        j["request"] = i;
-        std::printf("%s\n", json_line(j).c_str());
-      }
-    nlohmann::json summary = {{"batch", B}, {"requests", prompts.size()}, {"max_new_tokens", a.max_new_tokens}, {"device", device}};
-    for (const auto& r : reports) summary[r.mode] = to_json(r);
-    if (want_medusa) {
-      summary["tree"] = tree_info;
-      summary["medusa"]["accepted_histogram"] = histogram;
-    }
-    if (reports.size() == 2) {
-      summary["identical"] = differ.empty();
-      summary["differing_requests"] = differ;
-      summary["speedup"] = speedup;
-    }
-    std::printf("%s\n", json_line(summary).c_str());
-  } else {
-    const auto& last = reports.back();
-    for (std::size_t i = 0; i < prompts.size(); ++i)
-      std::printf("--- request %zu (%s, %s) ---\n%s\n", i, last.mode.c_str(),
-                  std::string(medusa::to_string(last.results[i].reason)).c_str(), last.texts[i].c_str());
-    std::fflush(stdout);
-    for (const auto& r : reports)
-      std::fprintf(stderr, "%-7s %zu requests, batch %d: %ld tokens in %6.3f s: %7.1f tokens/s, %5.2f tokens/step\n",
-                   r.mode.c_str(), prompts.size(), B, r.tokens(), r.seconds, r.tokens_per_second(), r.mean_accepted());
-    if (reports.size() == 2)
-      std::fprintf(stderr, "tokens identical: %s (%zu of %zu requests differ)\nspeedup (medusa / vanilla tokens per second): %.2fx\n",
-                   differ.empty() ? "yes" : "no", differ.size(), prompts.size(), speedup);
+  nlohmann::json summary = {{"batch", B}, {"requests", prompts.size()}, {"max_new_tokens", a.max_new_tokens}, {"device", device}};
+  if (want_medusa) {
+    summary["tree"] = tree_info;
+    summary["medusa"]["accepted_histogram"] = histogram;
   }
-  if (!differ.empty()) {
-    std::fprintf(stderr, "medusa-run: error: greedy Medusa tokens differ from plain decoding for request %zu\n", differ[0]);
-    return medusa_tools::exit_failure;
-  }
-  return medusa_tools::exit_ok;
+  return report_batch(a, reports, prompts.size(), B, summary, true, predicted_note(tree_info));
 }
 
 int run(run_args a) {

@@ -125,25 +125,7 @@ TEST_CASE("on the device, a tree node has the same bits as its row decoded alone
     batch_fixture<medusa::bfloat16> tree(s, {{L, t.num_nodes(), parents}}, rng);
     const auto tree_out = run_on_device(tree);
     for (int u = 1; u < t.num_nodes(); u += 5) {
-      std::vector<int> path;
-      for (int x = u; x >= 0; x = parents[static_cast<std::size_t>(x)]) path.push_back(x);
-      std::reverse(path.begin(), path.end());
-      const int depth = static_cast<int>(path.size()) - 1;
-      shape sa = s;
-      sa.mask = attention_mask_kind::causal;
-      batch_fixture<medusa::bfloat16> alone(sa, {{L + depth, 1, {}}}, rng);
-      alone.k = tree.k;
-      alone.v = tree.v;
-      alone.tables = tree.tables;
-      alone.num_pages = tree.num_pages;
-      alone.blocks = tree.blocks;
-      const auto view = tree.paged_view(0);
-      for (int j = 0; j <= depth; ++j)
-        for (std::size_t e = 0; e < static_cast<std::size_t>(s.hkv * s.dim); ++e) {
-          alone.k[view.mapping().offset(s.layer, L + j, 0) + e] = tree.k[view.mapping().offset(s.layer, L + path[static_cast<std::size_t>(j)], 0) + e];
-          alone.v[view.mapping().offset(s.layer, L + j, 0) + e] = tree.v[view.mapping().offset(s.layer, L + path[static_cast<std::size_t>(j)], 0) + e];
-        }
-      std::copy_n(tree.q.data() + static_cast<std::size_t>(u * tree.q_stride), s.hq * s.dim, alone.q.data());
+      batch_fixture<medusa::bfloat16> alone = alone_fixture(tree, parents, u, rng);
       const auto alone_out = run_on_device(alone);
       CAPTURE(u);
       CHECK(std::memcmp(alone_out.data(), tree_out.data() + static_cast<std::size_t>(u * tree.out_stride),

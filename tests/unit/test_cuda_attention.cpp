@@ -199,32 +199,7 @@ TEST_CASE_TEMPLATE("a tree node has the same bits as its row decoded alone after
     batch_fixture<KV> tree(s, {{L, t.num_nodes(), parents}}, rng);
     const auto tree_out = tree.template emulate<float>();
     for (int u = 1; u < t.num_nodes(); u += 2) {
-      // The same cache with u's ancestors committed at L.., u at L + depth, decoded alone.
-      std::vector<int> path;
-      for (int x = u; x >= 0; x = parents[static_cast<std::size_t>(x)]) path.push_back(x);
-      std::reverse(path.begin(), path.end());
-      const int depth = static_cast<int>(path.size()) - 1;
-      shape sa = s;
-      sa.mask = attention_mask_kind::causal;
-      batch_fixture<KV> alone(sa, {{L + depth, 1, {}}}, rng);
-      alone.k = tree.k;
-      alone.v = tree.v;
-      alone.tables = tree.tables;
-      alone.num_pages = tree.num_pages;
-      alone.blocks = tree.blocks;
-      const auto row_of = [&](int slot) {  // element offset of (layer, slot, head 0) of request 0
-        if (page == 0)
-          return static_cast<std::size_t>(slot * s.hkv * s.dim) +
-                 static_cast<std::size_t>(s.layer) * static_cast<std::size_t>(s.capacity * s.hkv * s.dim);
-        return tree.paged_view(0).mapping().offset(s.layer, slot, 0);
-      };
-      // Move the path's rows to L, L+1, ... in ascending order (path[j] >= j: no row is clobbered).
-      for (int j = 0; j <= depth; ++j)
-        for (std::size_t e = 0; e < static_cast<std::size_t>(s.hkv * s.dim); ++e) {
-          alone.k[row_of(L + j) + e] = tree.k[row_of(L + path[static_cast<std::size_t>(j)]) + e];
-          alone.v[row_of(L + j) + e] = tree.v[row_of(L + path[static_cast<std::size_t>(j)]) + e];
-        }
-      std::copy_n(tree.q.data() + static_cast<std::size_t>(u * tree.q_stride), s.hq * s.dim, alone.q.data());
+      batch_fixture<KV> alone = alone_fixture(tree, parents, u, rng);
       const auto alone_out = alone.template emulate<float>();
       CAPTURE(u);
       CHECK(std::memcmp(alone_out.data(), tree_out.data() + static_cast<std::size_t>(u * tree.out_stride),
