@@ -30,6 +30,10 @@ using namespace medusa_test;
 
 namespace {
 
+// Under AddressSanitizer the emulation runs about 15 times slower: the sweeps there take fewer
+// committed lengths.
+constexpr bool sanitized = medusa::cuda::emulation_sanitized;
+
 // Emulated kernels against medusa::tree_attention and the naive reference, every request.
 template <class KV, class O = float>
 void check_batch(const shape& s, const std::vector<request>& reqs, std::uint32_t seed, float scale = 0.0f) {
@@ -183,7 +187,8 @@ TEST_CASE_TEMPLATE("a tree node has the same bits as its row decoded alone after
   std::mt19937 rng(14);
   // Committed lengths around the 32-key tiles and the splits, so that a node's ancestors and the
   // node itself fall in another tile or split than they do alone.
-  for (const int L : {0, 5, 31, 60, 62, 63, 64, 93, 127})
+  const std::vector<int> lengths = sanitized ? std::vector<int>{5, 62, 127} : std::vector<int>{0, 5, 31, 60, 62, 63, 64, 93, 127};
+  for (const int L : lengths)
     for (const int page : {0, 16}) {
     CAPTURE(L);
     CAPTURE(page);

@@ -64,6 +64,10 @@ class emulation_error : public std::logic_error, public medusa::error {
   [[nodiscard]] const char* message() const noexcept override { return what(); }
 };
 
+//! True when this translation unit is built with AddressSanitizer: emulated kernels then run
+//! about 15 times slower, and tests size their sweeps by it.
+inline constexpr bool emulation_sanitized = MEDUSA_EMULATION_ASAN != 0;
+
 namespace detail {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
@@ -129,7 +133,7 @@ struct fiber_block {
   std::vector<unsigned char> shared;
   std::vector<fiber_context> fibers;
   fiber_context scheduler{};
-  std::unique_ptr<unsigned char[]> stacks;
+  unsigned char* stacks = nullptr;  // threads × fiber_stack_bytes, from the thread's stack pool
   std::vector<char> done;
   std::vector<warp_sync> warps;
   int current = 0;
@@ -143,7 +147,7 @@ struct fiber_block {
   std::size_t scheduler_stack_size = 0;
 
   unsigned char* stack_of(int t) const noexcept {
-    return stacks.get() + static_cast<std::size_t>(t) * fiber_stack_bytes;
+    return stacks + static_cast<std::size_t>(t) * fiber_stack_bytes;
   }
 
   // Fiber → scheduler.
@@ -216,6 +220,47 @@ struct fiber_block {
 };
 
 inline thread_local fiber_block* running_block = nullptr;
+
+// The fiber stacks of the emulations running on this thread, one buffer per nesting level, kept
+// from launch to launch: allocating (and faulting in) megabytes of stacks per launch would cost
+// more than most emulated kernels.
+class stack_pool {
+ public:
+  // The stacks of the next level, at least `bytes`; `release()` gives them back.
+  unsigned char* acquire(std::size_t bytes) {
+    if (levels_.size() <= depth_) levels_.push_back({});
+    level& l = levels_[depth_++];
+    if (l.bytes < bytes) {
+      l.data.reset(new unsigned char[bytes]);
+      l.bytes = bytes;
+    } else if (l.dirty) {
+#if MEDUSA_EMULATION_ASAN
+      // A block that ended in an error left frames (and their poisoned redzones) on its stacks.
+      ASAN_UNPOISON_MEMORY_REGION(l.data.get(), l.bytes);
+#endif
+    }
+    l.dirty = false;
+    return l.data.get();
+  }
+  void release(bool failed) noexcept {
+    --depth_;
+    levels_[depth_].dirty = failed;
+  }
+
+ private:
+  struct level {
+    std::unique_ptr<unsigned char[]> data;
+    std::size_t bytes = 0;
+    bool dirty = false;
+  };
+  std::vector<level> levels_;
+  std::size_t depth_ = 0;
+};
+
+inline stack_pool& thread_stacks() {
+  thread_local stack_pool pool;
+  return pool;
+}
 
 inline void fiber_entry() {
   fiber_block* b = running_block;
@@ -340,7 +385,8 @@ void emulate(const launch_shape& shape, Body&& body) {
   b.fibers.resize(static_cast<std::size_t>(shape.threads));
   b.done.resize(static_cast<std::size_t>(shape.threads));
   b.warps.resize(static_cast<std::size_t>(shape.threads / warp_size));
-  b.stacks.reset(new unsigned char[static_cast<std::size_t>(shape.threads) * detail::fiber_stack_bytes]);
+  detail::stack_pool& pool = detail::thread_stacks();
+  b.stacks = pool.acquire(static_cast<std::size_t>(shape.threads) * detail::fiber_stack_bytes);
   const std::function<void(int)> run_thread = [&](int t) {
     host_context ctx(b, t);
     body(ctx);
@@ -350,8 +396,13 @@ void emulate(const launch_shape& shape, Body&& body) {
   detail::running_block = &b;
   struct restore {
     detail::fiber_block* outer;
-    ~restore() { detail::running_block = outer; }
-  } restore_running{outer};
+    detail::stack_pool& pool;
+    bool failed = true;  // until every block has run
+    ~restore() {
+      detail::running_block = outer;
+      pool.release(failed);
+    }
+  } restore_running{outer, pool};
   for (int y = 0; y < shape.grid_y; ++y) {
     for (int x = 0; x < shape.grid_x; ++x) {
       b.block_x = x;
@@ -374,6 +425,7 @@ void emulate(const launch_shape& shape, Body&& body) {
       }
     }
   }
+  restore_running.failed = false;
 }
 
 }  // namespace cuda
