@@ -31,6 +31,17 @@
 #include <type_traits>
 #include <vector>
 
+namespace medusa_train::detail {
+// drop(x): x itself without a mask, else x ⊙ keep in `buffer`.
+template <class T>
+const T* dropped(const T* x, const T* keep, std::size_t count, std::vector<T>& buffer) {
+  if (!keep) return x;
+  buffer.resize(count);
+  for (std::size_t i = 0; i < count; ++i) buffer[i] = x[i] * keep[i];
+  return buffer.data();
+}
+}  // namespace medusa_train::detail
+
 namespace medusa_train::backbone {
 
 //! How RoPE pairs a head's dimensions (the engine's `medusa_llama::rope_style`).
@@ -77,7 +88,7 @@ void rope(std::size_t n, std::size_t heads, std::size_t hd, T* x, std::span<cons
   const std::size_t half = hd / 2;
   for (std::size_t t = 0; t < n; ++t)
     for (std::size_t i = 0; i < half; ++i) {
-      // The engine's float tables, in the working type's precision.
+      // The engine's angles, computed in double (its tables are float).
       const double freq = 1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(hd));
       const double angle = static_cast<double>(positions[t]) * freq;
       const T c = static_cast<T>(std::cos(angle));
@@ -209,12 +220,7 @@ void linear_forward(const lora_linear<T>& l, std::size_t n, const T* x, std::typ
   detail::blas_gemm(false, true, n, l.out, l.in, T(1), x, l.in, l.W, l.in, T(0), y, l.out);
   if (!l.A) return;
   std::vector<T> xd;
-  const T* src = x;
-  if (keep) {
-    xd.resize(n * l.in);
-    for (std::size_t i = 0; i < xd.size(); ++i) xd[i] = x[i] * keep[i];
-    src = xd.data();
-  }
+  const T* src = detail::dropped(x, keep, n * l.in, xd);
   detail::blas_gemm(false, true, n, l.rank, l.in, T(1), src, l.in, l.A, l.in, T(0), xa, l.rank);
   detail::blas_gemm(false, true, n, l.out, l.rank, l.scaling, xa, l.rank, l.B, l.rank, T(1), y, l.out);
 }
@@ -229,12 +235,7 @@ void linear_backward(const lora_linear<T>& l, std::size_t n, const T* x, std::ty
   if (!l.A) return;
   std::vector<T> dyb(n * l.rank), xd;
   detail::blas_gemm(false, false, n, l.rank, l.out, l.scaling, dy, l.out, l.B, l.rank, T(0), dyb.data(), l.rank);
-  const T* src = x;
-  if (keep) {
-    xd.resize(n * l.in);
-    for (std::size_t i = 0; i < xd.size(); ++i) xd[i] = x[i] * keep[i];
-    src = xd.data();
-  }
+  const T* src = detail::dropped(x, keep, n * l.in, xd);
   detail::blas_gemm(true, false, l.rank, l.in, n, T(1), dyb.data(), l.rank, src, l.in, T(1), dA, l.in);
   detail::blas_gemm(true, false, l.out, l.rank, n, l.scaling, dy, l.out, xa, l.rank, T(1), dB, l.rank);
   if (dx) {
@@ -280,9 +281,10 @@ double kl_row(T* z, std::size_t V, const teacher_row& teacher, T weight) {
   for (float l : teacher.logits) tmx = std::max(tmx, l);
   double tsum = 0;
   for (float l : teacher.logits) tsum += std::exp(static_cast<double>(l - tmx));
+  const double log_tsum = std::log(tsum);
   double kl = 0;
   for (std::size_t i = 0; i < k; ++i) {
-    const double log_pt = static_cast<double>(teacher.logits[i] - tmx) - std::log(tsum);
+    const double log_pt = static_cast<double>(teacher.logits[i] - tmx) - log_tsum;
     const double pt = std::exp(log_pt);
     kl += pt * (log_pt - (zt[i] - log_norm));
     z[static_cast<std::size_t>(teacher.ids[i])] -= static_cast<T>(pt) * weight;
