@@ -1,14 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// Model loaders: llama2.c checkpoints (memory-mapped), Hugging Face Llama directories, GGUF files.
+// Model loaders (llama2.c checkpoints memory-mapped, Hugging Face Llama directories, GGUF files) and writers.
 #include <medusa_llama/model.hpp>
 
 #include "gguf_reader.hpp"
 #include "mapped_file.hpp"
 #include "safetensors_reader.hpp"
 
+#include <medusa/io/safetensors.hpp>
+
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <bit>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -212,6 +216,56 @@ model model::random(const model_config& config, std::uint64_t seed, float scale)
   return m;
 }
 
+model model::from_parts(const model_config& config, const float* embedding, std::span<const layer_weights> layers,
+                        const float* rms_final, const float* classifier) {
+  const std::string origin = "model::from_parts";
+  config.validate(origin);
+  if (layers.size() != static_cast<std::size_t>(config.n_layers))
+    throw load_error(load_errc::size_mismatch, std::to_string(layers.size()) + " layers given for n_layers = " +
+                                                   std::to_string(config.n_layers), origin);
+  auto need = [&](const float* p, const std::string& name) {
+    if (p == nullptr) throw load_error(load_errc::missing_tensor, name + " is null", origin);
+  };
+  need(embedding, "embedding");
+  need(rms_final, "rms_final");
+  if (!config.shared_classifier) need(classifier, "classifier (the config says it is not shared)");
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const auto& w = layers[i];
+    const std::string pre = "layer " + std::to_string(i) + " ";
+    const std::pair<const float*, const char*> parts[] = {{w.rms_att, "rms_att"}, {w.wq, "wq"},   {w.wk, "wk"},
+                                                          {w.wv, "wv"},           {w.wo, "wo"},   {w.rms_ffn, "rms_ffn"},
+                                                          {w.w1, "w1"},           {w.w2, "w2"},   {w.w3, "w3"}};
+    for (const auto& [ptr, name] : parts) need(ptr, pre + name);
+  }
+  model m;
+  m.config_ = config;
+  model_config no_rope = config;  // the buffer holds no RoPE tables
+  no_rope.seq_len = 0;
+  const auto l = detail::layout_of(no_rope);
+  auto buf = std::make_shared<std::vector<float>>(l.total);
+  const std::size_t d = static_cast<std::size_t>(config.dim), h = static_cast<std::size_t>(config.hidden_dim),
+                    kv = static_cast<std::size_t>(config.kv_dim()), V = static_cast<std::size_t>(config.vocab_size);
+  auto put = [&](std::uint64_t offset, const float* src, std::size_t n) { std::copy_n(src, n, buf->data() + offset); };
+  put(l.emb, embedding, V * d);
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const auto& w = layers[i];
+    put(l.rms_att + i * d, w.rms_att, d);
+    put(l.wq + i * d * d, w.wq, d * d);
+    put(l.wk + i * kv * d, w.wk, kv * d);
+    put(l.wv + i * kv * d, w.wv, kv * d);
+    put(l.wo + i * d * d, w.wo, d * d);
+    put(l.rms_ffn + i * d, w.rms_ffn, d);
+    put(l.w1 + i * h * d, w.w1, h * d);
+    put(l.w2 + i * d * h, w.w2, d * h);
+    put(l.w3 + i * h * d, w.w3, h * d);
+  }
+  put(l.rms_final, rms_final, d);
+  if (!config.shared_classifier) put(l.cls, classifier, V * d);
+  m.bind_llama2c(buf->data(), /*rope_tables=*/false);
+  m.storage_ = std::move(buf);
+  return m;
+}
+
 void model::save_llama2c(const std::filesystem::path& path) const {
   const auto& c = config_;
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -238,7 +292,8 @@ void model::save_llama2c(const std::filesystem::path& path) const {
   const std::vector<float> rope(static_cast<std::size_t>(c.seq_len) * static_cast<std::size_t>(c.head_dim()), 0.0f);
   put(rope.data(), rope.size());
   if (!c.shared_classifier) put(classifier_, V * d);
-  if (!out) throw load_error(load_errc::open_failed, "write failed", path.string());
+  out.flush();  // a full disk shows here, not in a destructor that cannot report it
+  if (!out) throw load_error(load_errc::open_failed, "write failed (disk full?)", path.string());
 }
 
 // --- Hugging Face ---------------------------------------------------------------------------------
@@ -361,6 +416,117 @@ model model::load_hf(const std::filesystem::path& dir) {
   m.bind_llama2c(buf->data());
   m.storage_ = std::move(buf);
   return m;
+}
+
+namespace {
+
+// Rows of `heads` heads of `head_dim` rows (`cols` wide each), every head reordered from RoPE on
+// adjacent pairs (rows 2i, 2i+1) to RoPE on halves (rows i, i + head_dim/2).
+std::vector<float> adjacent_to_halves(const float* w, std::size_t heads, std::size_t head_dim, std::size_t cols) {
+  std::vector<float> out(heads * head_dim * cols);
+  const std::size_t half = head_dim / 2;
+  for (std::size_t hd = 0; hd < heads; ++hd)
+    for (std::size_t i = 0; i < half; ++i)
+      for (std::size_t e = 0; e < 2; ++e)
+        std::copy_n(w + (hd * head_dim + 2 * i + e) * cols, cols, out.data() + (hd * head_dim + e * half + i) * cols);
+  return out;
+}
+
+// `f` as the double of its shortest decimal when that reads back as `f` (config.json then says
+// 1e-05, not 9.999999747378752e-06), else exactly.
+double float_for_json(float f) {
+  char text[32];
+  const auto [end, ec] = std::to_chars(text, text + sizeof text, f);
+  double v = 0.0;
+  if (ec != std::errc{} || std::from_chars(text, end, v).ec != std::errc{} || static_cast<float>(v) != f)
+    return static_cast<double>(f);
+  return v;
+}
+
+std::string without_prefix(const char* what) {
+  const std::string_view s(what), p("medusa: ");
+  return std::string(s.starts_with(p) ? s.substr(p.size()) : s);
+}
+
+}  // namespace
+
+void model::save_hf(const std::filesystem::path& dir) const {
+  const auto& c = config_;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw load_error(load_errc::open_failed, "cannot create the directory: " + ec.message(), dir.string());
+  const std::uint64_t d = static_cast<std::uint64_t>(c.dim), h = static_cast<std::uint64_t>(c.hidden_dim),
+                      kv = static_cast<std::uint64_t>(c.kv_dim()), V = static_cast<std::uint64_t>(c.vocab_size);
+  const std::size_t hd = static_cast<std::size_t>(c.head_dim());
+  const bool permute = c.rope == rope_style::adjacent_pairs;
+
+  medusa::safetensors_writer st;
+  st.add_metadata("format", "pt");  // transformers refuses safetensors files without it
+  std::vector<std::vector<float>> permuted;  // wq, wk in Hugging Face row order; the writer keeps spans
+  permuted.reserve(permute ? 2 * layers_.size() : 0);
+  auto add = [&](std::string name, const float* p, std::vector<std::uint64_t> shape) {
+    std::uint64_t n = 1;
+    for (auto s : shape) n *= s;
+    st.add(std::move(name), medusa::safetensors_dtype::f32, std::move(shape),
+           std::as_bytes(std::span<const float>(p, static_cast<std::size_t>(n))));
+  };
+  add("model.embed_tokens.weight", embedding_, {V, d});
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    const auto& w = layers_[i];
+    const float* wq = w.wq;
+    const float* wk = w.wk;
+    if (permute) {
+      wq = permuted.emplace_back(adjacent_to_halves(wq, static_cast<std::size_t>(c.n_heads), hd, d)).data();
+      wk = permuted.emplace_back(adjacent_to_halves(wk, static_cast<std::size_t>(c.n_kv_heads), hd, d)).data();
+    }
+    const std::string pre = "model.layers." + std::to_string(i) + ".";
+    add(pre + "input_layernorm.weight", w.rms_att, {d});
+    add(pre + "self_attn.q_proj.weight", wq, {d, d});
+    add(pre + "self_attn.k_proj.weight", wk, {kv, d});
+    add(pre + "self_attn.v_proj.weight", w.wv, {kv, d});
+    add(pre + "self_attn.o_proj.weight", w.wo, {d, d});
+    add(pre + "post_attention_layernorm.weight", w.rms_ffn, {d});
+    add(pre + "mlp.gate_proj.weight", w.w1, {h, d});
+    add(pre + "mlp.down_proj.weight", w.w2, {d, h});
+    add(pre + "mlp.up_proj.weight", w.w3, {h, d});
+  }
+  add("model.norm.weight", rms_final_, {d});
+  if (!c.shared_classifier) add("lm_head.weight", classifier_, {V, d});
+  const auto st_path = dir / "model.safetensors";
+  try {
+    st.write(st_path);
+  } catch (const medusa::io_error& e) {
+    throw load_error(load_errc::open_failed, without_prefix(e.what()), st_path.string());
+  }
+
+  nlohmann::ordered_json j;
+  j["architectures"] = nlohmann::ordered_json::array({"LlamaForCausalLM"});
+  j["model_type"] = "llama";
+  j["hidden_size"] = c.dim;
+  j["intermediate_size"] = c.hidden_dim;
+  j["num_hidden_layers"] = c.n_layers;
+  j["num_attention_heads"] = c.n_heads;
+  j["num_key_value_heads"] = c.n_kv_heads;
+  j["vocab_size"] = c.vocab_size;
+  j["max_position_embeddings"] = c.seq_len;
+  j["rms_norm_eps"] = float_for_json(c.rms_eps);
+  j["rope_theta"] = float_for_json(c.rope_theta);
+  j["hidden_act"] = "silu";
+  j["tie_word_embeddings"] = c.shared_classifier;
+  j["torch_dtype"] = "float32";
+  // Written last and renamed into place: a directory with a config.json has its weights.
+  const auto cfg_path = dir / "config.json";
+  auto tmp = cfg_path;
+  tmp += ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw load_error(load_errc::open_failed, "cannot create file", tmp.string());
+    out << j.dump(2) << '\n';
+    out.flush();
+    if (!out) throw load_error(load_errc::open_failed, "write failed", tmp.string());
+  }
+  std::filesystem::rename(tmp, cfg_path, ec);
+  if (ec) throw load_error(load_errc::open_failed, "cannot rename " + tmp.string() + " into place: " + ec.message(), cfg_path.string());
 }
 
 // --- GGUF -----------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -100,10 +101,23 @@ class model {
   static model load_gguf(const std::filesystem::path& path);
   //! A model with random weights (seeded; uniform in ±`scale`, norms around 1), for tests.
   static model random(const model_config& config, std::uint64_t seed, float scale = 0.1f);
+  //! A model that owns a copy of the given weights (same layout as `layer_weights`, row-major
+  //! `[out][in]`; `embedding` and `classifier` are `[vocab][dim]`, `rms_final` is `[dim]`);
+  //! `classifier` is ignored (may be null) when `config.shared_classifier`: the embedding is used.
+  //! Validates the config. Throws `load_error`: `bad_header` for the config, `size_mismatch` when
+  //! `layers.size() != n_layers`, `missing_tensor` for a null pointer.
+  static model from_parts(const model_config& config, const float* embedding, std::span<const layer_weights> layers,
+                          const float* rms_final, const float* classifier);
 
   //! Writes the model as a llama2.c checkpoint (negative vocab when the classifier is separate,
   //! RoPE tables zero-filled). Only adjacent-pair RoPE models round-trip through this format.
   void save_llama2c(const std::filesystem::path& path) const;
+  //! Writes a Hugging Face Llama directory that `load_hf` reads back: `dir/model.safetensors` (F32,
+  //! `lm_head.weight` only when the classifier is separate) and `dir/config.json`; creates `dir`.
+  //! Hugging Face RoPE is `split_halves`, so for an `adjacent_pairs` model the rows of every head of
+  //! wq and wk are permuted into that order (the inverse of `convert_llama_weights_to_hf.py`): the
+  //! directory computes the same function. Throws `load_error` (`open_failed`) when writing fails.
+  void save_hf(const std::filesystem::path& dir) const;
 
   //! The configuration.
   [[nodiscard]] const model_config& config() const noexcept { return config_; }
