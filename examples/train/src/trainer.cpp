@@ -74,6 +74,8 @@ std::span<const float> head_trainer::params() const noexcept {
   return {arena_begin(const_cast<medusa::head_weights&>(weights_)), shape_.num_params()};
 }
 
+int head_trainer::threads() const noexcept { return pool_->size(); }
+
 void head_trainer::parallel_for(std::size_t n, const std::function<void(std::size_t)>& body) {
   if (n == 0) return;
   const int threads = pool_->size();
@@ -91,47 +93,89 @@ head_batch_stats head_trainer::loss(const float* x, std::size_t batch, const std
                                [this](std::size_t n, const auto& f) { parallel_for(n, f); });
 }
 
-head_batch_stats head_trainer::step(const float* x, std::size_t batch, const std::int32_t* targets, std::span<const float> hw,
-                                    double lr, const optimizer_options& o) {
+head_trainer::head_trainer(const medusa::head_weights& init, int threads) {
+  if (init.kind() != medusa::projection_kind::per_head)
+    throw medusa::invalid_input("train: heads with a shared projection cannot be trained here (per-head projections only)");
+  shape_ = head_shape{init.hidden_size(), init.vocab_size(), init.num_heads(), init.num_layers()};
+  check_shape(shape_);
+  if (threads < 1) throw medusa::invalid_input("train: threads must be >= 1, got " + std::to_string(threads));
+  weights_ = init.dtype() == medusa::weight_dtype::f32 ? init : init.to_dtype(medusa::weight_dtype::f32);
+  if (weights_.size_bytes() != shape_.num_params() * sizeof(float))
+    throw medusa::invalid_input("train: head_weights layout differs from the trainer's");
+  grads_.assign(shape_.num_params(), 0.0f);
+  m_.assign(shape_.num_params(), 0.0f);
+  v_.assign(shape_.num_params(), 0.0f);
+  pool_ = std::make_unique<medusa_llama::thread_pool>(threads);
+  openblas_set_num_threads(threads);
+}
+
+namespace {
+constexpr std::size_t block = 65536;  // parameters per parallel chunk
+}  // namespace
+
+head_batch_stats head_trainer::accumulate(const float* x, std::size_t batch, const std::int32_t* targets, std::span<const float> hw,
+                                          float* dx) {
   if (hw.size() != shape_.K) throw medusa::invalid_input("train: " + std::to_string(hw.size()) + " head weights for " + std::to_string(shape_.K) + " heads");
   const std::size_t n = grads_.size();
   float* g = grads_.data();
-  parallel_for((n + 65535) / 65536, [&](std::size_t c) { std::fill(g + c * 65536, g + std::min(n, (c + 1) * 65536), 0.0f); });
-  auto st = head_loss_grad<float>(shape_, params().data(), g, x, batch, targets, hw.data(), ws_,
-                                  [this](std::size_t rows, const auto& f) { parallel_for(rows, f); });
-  // Global norm in double, summed in a fixed order (deterministic for any thread count).
-  constexpr std::size_t blk = 65536;
-  const std::size_t nblk = (n + blk - 1) / blk;
+  parallel_for((n + block - 1) / block, [&](std::size_t c) { std::fill(g + c * block, g + std::min(n, (c + 1) * block), 0.0f); });
+  return head_loss_grad<float>(shape_, params().data(), g, x, batch, targets, hw.data(), ws_,
+                               [this](std::size_t rows, const auto& f) { parallel_for(rows, f); }, dx);
+}
+
+double head_trainer::grad_squared_norm() {
+  // In double, summed in a fixed order (deterministic for any thread count).
+  const std::size_t n = grads_.size(), nblk = (n + block - 1) / block;
+  const float* g = grads_.data();
   std::vector<double> part(nblk);
   parallel_for(nblk, [&](std::size_t c) {
     double s = 0;
-    for (std::size_t i = c * blk, e = std::min(n, i + blk); i < e; ++i) s += static_cast<double>(g[i]) * g[i];
+    for (std::size_t i = c * block, e = std::min(n, i + block); i < e; ++i) s += static_cast<double>(g[i]) * g[i];
     part[c] = s;
   });
   double sq = 0;
   for (double p : part) sq += p;
-  grad_norm_ = std::sqrt(sq);
-  const double clip = o.clip_norm > 0 && grad_norm_ > o.clip_norm ? o.clip_norm / (grad_norm_ + 1e-12) : 1.0;
+  return sq;
+}
+
+void head_trainer::apply(double lr, const optimizer_options& o, double grad_scale) {
   ++t_;
-  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(t_));
-  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(t_));
+  detail::adamw_update(params(), grads_, m_, v_, t_, lr, o, grad_scale,
+                       [this](std::size_t nb, const std::function<void(std::size_t)>& f) { parallel_for(nb, f); });
+}
+
+head_batch_stats head_trainer::step(const float* x, std::size_t batch, const std::int32_t* targets, std::span<const float> hw,
+                                    double lr, const optimizer_options& o) {
+  auto st = accumulate(x, batch, targets, hw);
+  grad_norm_ = std::sqrt(grad_squared_norm());
+  const double clip = o.clip_norm > 0 && grad_norm_ > o.clip_norm ? o.clip_norm / (grad_norm_ + 1e-12) : 1.0;
+  apply(lr, o, clip);
+  return st;
+}
+
+namespace detail {
+
+void adamw_update(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v, std::size_t t, double lr,
+                  const optimizer_options& o, double grad_scale,
+                  const std::function<void(std::size_t, const std::function<void(std::size_t)>&)>& pf) {
+  const std::size_t n = p.size(), nblk = (n + block - 1) / block;
+  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(t));
   const float b1 = static_cast<float>(o.beta1), b2 = static_cast<float>(o.beta2);
   const float step_size = static_cast<float>(lr / bc1);
   const float inv_bc2 = static_cast<float>(1.0 / bc2);
-  const float eps = static_cast<float>(o.eps), wd = static_cast<float>(lr * o.weight_decay), cs = static_cast<float>(clip);
-  float* p = params().data();
-  float* m = m_.data();
-  float* v = v_.data();
-  parallel_for(nblk, [&](std::size_t c) {
-    for (std::size_t i = c * blk, e = std::min(n, i + blk); i < e; ++i) {
+  const float eps = static_cast<float>(o.eps), wd = static_cast<float>(lr * o.weight_decay), cs = static_cast<float>(grad_scale);
+  pf(nblk, [&](std::size_t c) {
+    for (std::size_t i = c * block, e = std::min(n, i + block); i < e; ++i) {
       const float gi = g[i] * cs;
       m[i] = b1 * m[i] + (1.0f - b1) * gi;
       v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
       p[i] -= step_size * m[i] / (std::sqrt(v[i] * inv_bc2) + eps) + wd * p[i];
     }
   });
-  return st;
 }
+
+}  // namespace detail
 
 void head_trainer::logits(const float* x, std::size_t batch, float* out) { head_logits<float>(shape_, params().data(), x, batch, out, ws_); }
 

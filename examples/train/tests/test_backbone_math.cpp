@@ -176,3 +176,48 @@ TEST_CASE("self-distillation KL: gradient, zero against itself, positive otherwi
   CHECK(bb::kl_row(same.data(), V, teacher, 1.0) == doctest::Approx(0.0).epsilon(1e-9));
   for (double g : same) CHECK(std::fabs(g) < 1e-9);
 }
+
+TEST_CASE("self-distillation KL with the teacher's normaliser: the rest of the vocabulary is one bucket") {
+  std::mt19937 rng(7);
+  const std::size_t V = 13;
+  auto full = random_vec(rng, V, 2.0);  // the teacher's whole row
+  double lse = 0;
+  for (double l : full) lse += std::exp(l);
+  lse = std::log(lse);
+  std::vector<std::int32_t> ids = {4, 0, 11, 6};
+  std::vector<float> tl;
+  for (auto i : ids) tl.push_back(static_cast<float>(full[static_cast<std::size_t>(i)]));
+  const bb::teacher_row teacher{ids, tl, static_cast<float>(lse)};
+  auto z = random_vec(rng, V, 2.0);
+  const auto loss = [&] {
+    auto row = z;
+    return bb::kl_row(row.data(), V, teacher, 1.0);
+  };
+  auto grad = z;
+  CHECK(bb::kl_row(grad.data(), V, teacher, 1.0) > 0);
+  check_gradient("dz with a bucket", z, grad, loss);
+  // The teacher itself (same logits everywhere) has KL 0 and gradient 0; the bucket only fixes
+  // the tail's mass, so a student with the teacher's k and another tail shape of the same mass
+  // has KL 0 too.
+  std::vector<double> same(full.begin(), full.end());
+  for (std::size_t i = 0; i < tl.size(); ++i) same[static_cast<std::size_t>(ids[i])] = tl[i];
+  CHECK(std::fabs(bb::kl_row(same.data(), V, teacher, 1.0)) < 1e-6);
+  for (double g : same) CHECK(std::fabs(g) < 1e-6);
+}
+
+TEST_CASE("Medusa heads: the gradient with respect to their input (what the backbone receives)") {
+  for (std::size_t L : {0u, 1u, 2u}) {
+    std::mt19937 rng(static_cast<unsigned>(20 + L));
+    const medusa_train::head_shape s{6, 11, 3, L};
+    const std::size_t B = 4;
+    auto params = random_vec(rng, s.num_params(), 0.5), x = random_vec(rng, B * s.d);
+    std::vector<std::int32_t> targets{1, 5, medusa_train::ignore_index, 7, 2, 0, 10, medusa_train::ignore_index, 3, 4, 9, 6};
+    const std::vector<double> weights{1.0, 0.8, 0.64};
+    medusa_train::head_workspace<double> ws;
+    const auto loss = [&] { return medusa_train::head_loss_grad<double>(s, params.data(), nullptr, x.data(), B, targets.data(), weights.data(), ws).loss; };
+    std::vector<double> dx(B * s.d, 0.0), grads(s.num_params(), 0.0);
+    medusa_train::head_loss_grad<double>(s, params.data(), grads.data(), x.data(), B, targets.data(), weights.data(), ws, medusa::sequential_for{},
+                                         dx.data());
+    check_gradient(L == 0 ? "heads dx, L = 0" : "heads dx, L > 0", x, dx, loss);
+  }
+}

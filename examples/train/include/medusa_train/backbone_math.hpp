@@ -88,11 +88,11 @@ void rope(std::size_t n, std::size_t heads, std::size_t hd, T* x, std::span<cons
   const std::size_t half = hd / 2;
   for (std::size_t t = 0; t < n; ++t)
     for (std::size_t i = 0; i < half; ++i) {
-      // The engine's angles, computed in double (its tables are float).
-      const double freq = 1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(hd));
-      const double angle = static_cast<double>(positions[t]) * freq;
-      const T c = static_cast<T>(std::cos(angle));
-      const T s = static_cast<T>(inverse ? -std::sin(angle) : std::sin(angle));
+      // The engine's angles, in float as its tables (run.c and HF compute them the same way).
+      const float freq = 1.0f / std::pow(static_cast<float>(theta), static_cast<float>(2 * i) / static_cast<float>(hd));
+      const float angle = static_cast<float>(positions[t]) * freq;
+      const T c = std::cos(static_cast<T>(angle));
+      const T s = inverse ? -std::sin(static_cast<T>(angle)) : std::sin(static_cast<T>(angle));
       const std::size_t a = pairs == rope_pairs::adjacent ? 2 * i : i;
       const std::size_t b = pairs == rope_pairs::adjacent ? 2 * i + 1 : i + half;
       for (std::size_t h = 0; h < heads; ++h) {
@@ -115,31 +115,26 @@ struct attention_shape {
 
 //! out[t][h] = Σ_{s ≤ t} P[h][t][s] · v[s][h/group], P = softmax(q·k/sqrt(hd)) over s ≤ t.
 //! q `[n][H·hd]` (after RoPE), k and v `[n][H_kv·hd]`; stores P (`[H][n][n]`, 0 above the
-//! diagonal) for the backward.
+//! diagonal) for the backward. The products are GEMMs over each head's strided columns.
 template <class T>
 void attention_forward(const attention_shape& s, const T* q, const T* k, const T* v, T* out, T* probs) {
-  const std::size_t qw = s.heads * s.hd, kw = s.kv_heads * s.hd;
+  const std::size_t qw = s.heads * s.hd, kw = s.kv_heads * s.hd, n = s.n;
   const T scale = T(1) / std::sqrt(static_cast<T>(s.hd));
   for (std::size_t h = 0; h < s.heads; ++h) {
     const std::size_t g = h / s.group();
-    for (std::size_t t = 0; t < s.n; ++t) {
-      T* p = probs + (h * s.n + t) * s.n;
-      T mx = -std::numeric_limits<T>::infinity();
-      for (std::size_t u = 0; u <= t; ++u) {
-        T dot = 0;
-        for (std::size_t j = 0; j < s.hd; ++j) dot += q[t * qw + h * s.hd + j] * k[u * kw + g * s.hd + j];
-        p[u] = dot * scale;
-        mx = std::max(mx, p[u]);
-      }
+    T* P = probs + h * n * n;
+    detail::blas_gemm(false, true, n, n, s.hd, scale, q + h * s.hd, qw, k + g * s.hd, kw, T(0), P, n);
+    for (std::size_t t = 0; t < n; ++t) {
+      T* p = P + t * n;
+      T mx = p[0];
+      for (std::size_t u = 1; u <= t; ++u) mx = std::max(mx, p[u]);
       T sum = 0;
       for (std::size_t u = 0; u <= t; ++u) sum += (p[u] = std::exp(p[u] - mx));
-      for (std::size_t u = 0; u <= t; ++u) p[u] /= sum;
-      for (std::size_t u = t + 1; u < s.n; ++u) p[u] = 0;
-      T* o = out + t * qw + h * s.hd;
-      for (std::size_t j = 0; j < s.hd; ++j) o[j] = 0;
-      for (std::size_t u = 0; u <= t; ++u)
-        for (std::size_t j = 0; j < s.hd; ++j) o[j] += p[u] * v[u * kw + g * s.hd + j];
+      const T inv = T(1) / sum;
+      for (std::size_t u = 0; u <= t; ++u) p[u] *= inv;
+      std::fill(p + t + 1, p + n, T(0));
     }
+    detail::blas_gemm(false, false, n, s.hd, n, T(1), P, n, v + g * s.hd, kw, T(0), out + h * s.hd, qw);
   }
 }
 
@@ -148,33 +143,26 @@ void attention_forward(const attention_shape& s, const T* q, const T* k, const T
 template <class T>
 void attention_backward(const attention_shape& s, const T* q, const T* k, const T* v, const T* probs, const T* dout,
                         T* dq, T* dk, T* dv) {
-  const std::size_t qw = s.heads * s.hd, kw = s.kv_heads * s.hd;
+  const std::size_t qw = s.heads * s.hd, kw = s.kv_heads * s.hd, n = s.n;
   const T scale = T(1) / std::sqrt(static_cast<T>(s.hd));
-  std::fill(dq, dq + s.n * qw, T(0));
-  std::fill(dk, dk + s.n * kw, T(0));
-  std::fill(dv, dv + s.n * kw, T(0));
-  std::vector<T> ds(s.n);
+  std::fill(dk, dk + n * kw, T(0));
+  std::fill(dv, dv + n * kw, T(0));
+  std::vector<T> dS(n * n);
   for (std::size_t h = 0; h < s.heads; ++h) {
     const std::size_t g = h / s.group();
-    for (std::size_t t = 0; t < s.n; ++t) {
-      const T* p = probs + (h * s.n + t) * s.n;
-      const T* dot = dout + t * qw + h * s.hd;
+    const T* P = probs + h * n * n;
+    detail::blas_gemm(false, true, n, n, s.hd, T(1), dout + h * s.hd, qw, v + g * s.hd, kw, T(0), dS.data(), n);
+    for (std::size_t t = 0; t < n; ++t) {
+      const T* p = P + t * n;
+      T* ds = dS.data() + t * n;
       T row = 0;
-      for (std::size_t u = 0; u <= t; ++u) {
-        T dp = 0;
-        for (std::size_t j = 0; j < s.hd; ++j) dp += dot[j] * v[u * kw + g * s.hd + j];
-        ds[u] = dp;
-        row += dp * p[u];
-      }
-      for (std::size_t u = 0; u <= t; ++u) {
-        const T dsu = p[u] * (ds[u] - row) * scale;
-        for (std::size_t j = 0; j < s.hd; ++j) {
-          dq[t * qw + h * s.hd + j] += dsu * k[u * kw + g * s.hd + j];
-          dk[u * kw + g * s.hd + j] += dsu * q[t * qw + h * s.hd + j];
-          dv[u * kw + g * s.hd + j] += p[u] * dot[j];
-        }
-      }
+      for (std::size_t u = 0; u <= t; ++u) row += ds[u] * p[u];
+      for (std::size_t u = 0; u <= t; ++u) ds[u] = p[u] * (ds[u] - row) * scale;
+      std::fill(ds + t + 1, ds + n, T(0));
     }
+    detail::blas_gemm(false, false, n, s.hd, n, T(1), dS.data(), n, k + g * s.hd, kw, T(0), dq + h * s.hd, qw);
+    detail::blas_gemm(true, false, n, s.hd, n, T(1), dS.data(), n, q + h * s.hd, qw, T(1), dk + g * s.hd, kw);
+    detail::blas_gemm(true, false, n, s.hd, n, T(1), P, n, dout + h * s.hd, qw, T(1), dv + g * s.hd, kw);
   }
 }
 
@@ -256,39 +244,55 @@ std::vector<T> merged_weight(const lora_linear<T>& l) {
 // ---------------------------------------------------------------------------------------------
 // The self-distillation loss
 
-//! The original model's distribution at one position, kept as its top-k: token ids and their
-//! logits (the rest of the vocabulary is treated as probability 0 after renormalising the k).
+//! The original model's distribution at one position, kept as its top-k: token ids, their logits
+//! and the log-normaliser of the whole row. The rest of the vocabulary is one bucket holding the
+//! remaining probability; without the normaliser (NaN) the k are renormalised and the bucket is empty.
 struct teacher_row {
   std::span<const std::int32_t> ids;
   std::span<const float> logits;
+  float log_norm = std::numeric_limits<float>::quiet_NaN();  //!< log Σ_v exp(logit_v) over the vocabulary
 };
 
-//! KL(teacher ‖ softmax(z)) of one row of V logits; z becomes its gradient
-//! (softmax(z) − teacher) · weight. Returns the KL in nats. The teacher's ids are distinct and
-//! below V.
+//! KL(teacher ‖ softmax(z)) of one row of V logits, over the teacher's k tokens plus the bucket of
+//! the others (p_rest log p_rest/q_rest); z becomes its gradient × `weight`: q_v − p_v on the k
+//! tokens, q_v·(1 − p_rest/q_rest) elsewhere (the student keeps its own shape inside the bucket and
+//! matches its mass). Returns the KL in nats. The teacher's ids are distinct and below V.
 template <class T>
 double kl_row(T* z, std::size_t V, const teacher_row& teacher, T weight) {
   const std::size_t k = teacher.ids.size();
-  std::vector<double> zt(k);
-  for (std::size_t i = 0; i < k; ++i) zt[i] = static_cast<double>(z[static_cast<std::size_t>(teacher.ids[i])]);
   T mx = z[0];
   for (std::size_t v = 1; v < V; ++v) mx = std::max(mx, z[v]);
-  T sum = 0;
-  for (std::size_t v = 0; v < V; ++v) sum += (z[v] = std::exp(z[v] - mx));
-  for (std::size_t v = 0; v < V; ++v) z[v] = z[v] / sum * weight;
-  const double log_norm = static_cast<double>(mx) + std::log(static_cast<double>(sum));
-  float tmx = teacher.logits[0];
-  for (float l : teacher.logits) tmx = std::max(tmx, l);
-  double tsum = 0;
-  for (float l : teacher.logits) tsum += std::exp(static_cast<double>(l - tmx));
-  const double log_tsum = std::log(tsum);
-  double kl = 0;
-  for (std::size_t i = 0; i < k; ++i) {
-    const double log_pt = static_cast<double>(teacher.logits[i] - tmx) - log_tsum;
-    const double pt = std::exp(log_pt);
-    kl += pt * (log_pt - (zt[i] - log_norm));
-    z[static_cast<std::size_t>(teacher.ids[i])] -= static_cast<T>(pt) * weight;
+  double sum = 0;
+  for (std::size_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v] - mx));
+  const double log_norm = static_cast<double>(mx) + std::log(sum);
+  // Teacher probabilities of its k tokens and of the rest.
+  std::vector<double> log_pt(k);
+  if (std::isnan(teacher.log_norm)) {
+    float tmx = teacher.logits[0];
+    for (float l : teacher.logits) tmx = std::max(tmx, l);
+    double tsum = 0;
+    for (float l : teacher.logits) tsum += std::exp(static_cast<double>(l - tmx));
+    for (std::size_t i = 0; i < k; ++i) log_pt[i] = static_cast<double>(teacher.logits[i] - tmx) - std::log(tsum);
+  } else {
+    for (std::size_t i = 0; i < k; ++i) log_pt[i] = static_cast<double>(teacher.logits[i]) - static_cast<double>(teacher.log_norm);
   }
+  double p_top = 0, q_top = 0, kl = 0;
+  std::vector<double> log_q(k);
+  for (std::size_t i = 0; i < k; ++i) {
+    log_q[i] = static_cast<double>(z[static_cast<std::size_t>(teacher.ids[i])]) - log_norm;
+    const double pt = std::exp(log_pt[i]);
+    p_top += pt;
+    q_top += std::exp(log_q[i]);
+    kl += pt * (log_pt[i] - log_q[i]);
+  }
+  const double p_rest = std::isnan(teacher.log_norm) ? 0.0 : std::max(0.0, 1.0 - p_top);
+  const double q_rest = std::max(1e-30, 1.0 - q_top);
+  if (p_rest > 0) kl += p_rest * (std::log(p_rest) - std::log(q_rest));
+  const double rest_scale = 1.0 - p_rest / q_rest;
+  for (std::size_t v = 0; v < V; ++v)
+    z[v] = static_cast<T>(std::exp(static_cast<double>(z[v]) - log_norm) * rest_scale) * weight;
+  for (std::size_t i = 0; i < k; ++i)
+    z[static_cast<std::size_t>(teacher.ids[i])] = static_cast<T>(std::exp(log_q[i]) - std::exp(log_pt[i])) * weight;
   return kl;
 }
 

@@ -172,11 +172,13 @@ void head_logits(const head_shape& s, const T* params, const T* x, std::size_t B
 //! @param weights  [K] loss weight per head (decay^k)
 //! @param pf       a parallel-for (medusa/parallel.hpp) over the rows (rows are independent, so the
 //!                 result does not depend on how it splits them)
+//! @param dx_out   when not null, the gradient with respect to `x` is *added* to it ([B][d]): what
+//!                 a trained backbone receives from the heads (Medusa-2)
 //! @throws medusa::invalid_input for a target outside [0, V) other than `ignore_index`
 template <class T, medusa::parallel_for ParallelFor = medusa::sequential_for>
 head_batch_stats head_loss_grad(const head_shape& s, const T* params, T* grads, const T* x, std::size_t B,
                                 const std::int32_t* targets, const T* weights, head_workspace<T>& ws,
-                                ParallelFor&& pf = {}) {
+                                ParallelFor&& pf = {}, T* dx_out = nullptr) {
   check_shape(s);
   const std::size_t d = s.d, V = s.V, K = s.K, L = s.L;
   for (std::size_t i = 0; i < B * K; ++i)
@@ -239,10 +241,13 @@ head_batch_stats head_loss_grad(const head_shape& s, const T* params, T* grads, 
     }
     st.head_loss[k] = ce_sum / static_cast<double>(n);
     st.loss += static_cast<double>(weights[k]) * st.head_loss[k];
-    if (grads == nullptr) continue;
+    if (grads == nullptr && dx_out == nullptr) continue;
     // dU_k += dZᵀ x_L ; dx = dZ U_k
-    detail::blas_gemm(true, false, V, d, B, T(1), z, V, xL, d, T(1), grads + s.u_offset(k), d);
-    if (L == 0) continue;
+    if (grads) detail::blas_gemm(true, false, V, d, B, T(1), z, V, xL, d, T(1), grads + s.u_offset(k), d);
+    if (L == 0) {
+      if (dx_out) detail::blas_gemm(false, false, B, d, V, T(1), z, V, params + s.u_offset(k), d, T(1), dx_out, d);
+      continue;
+    }
     T* dx = ws.dx.data();
     T* dt = ws.dt.data();
     detail::blas_gemm(false, false, B, d, V, T(1), z, V, params + s.u_offset(k), d, T(0), dx, d);
@@ -257,11 +262,18 @@ head_batch_stats head_loss_grad(const head_shape& s, const T* params, T* grads, 
           dt[i * d + j] = dx[i * d + j] * sg * (T(1) + a * (T(1) - sg));
         }
       });
-      detail::blas_gemm(true, false, d, d, B, T(1), dt, d, xl, d, T(1), grads + s.w_offset(k, l), d);
-      T* gb = grads + s.b_offset(k, l);
-      for (std::size_t i = 0; i < B; ++i)
-        for (std::size_t j = 0; j < d; ++j) gb[j] += dt[i * d + j];
-      if (l > 0) detail::blas_gemm(false, false, B, d, d, T(1), dt, d, params + s.w_offset(k, l), d, T(1), dx, d);
+      if (grads) {
+        detail::blas_gemm(true, false, d, d, B, T(1), dt, d, xl, d, T(1), grads + s.w_offset(k, l), d);
+        T* gb = grads + s.b_offset(k, l);
+        for (std::size_t i = 0; i < B; ++i)
+          for (std::size_t j = 0; j < d; ++j) gb[j] += dt[i * d + j];
+      }
+      if (l > 0) {
+        detail::blas_gemm(false, false, B, d, d, T(1), dt, d, params + s.w_offset(k, l), d, T(1), dx, d);
+      } else if (dx_out) {
+        for (std::size_t i = 0; i < B * d; ++i) dx_out[i] += dx[i];
+        detail::blas_gemm(false, false, B, d, d, T(1), dt, d, params + s.w_offset(k, 0), d, T(1), dx_out, d);
+      }
     }
   }
   return st;

@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,14 @@ struct optimizer_options {
 //! Learning rate at 0-based `step` of `total`: linear warm-up, then cosine to the floor.
 [[nodiscard]] double learning_rate(const optimizer_options& o, std::size_t step, std::size_t total);
 
+namespace detail {
+//! One AdamW step (`t` ≥ 1 counts steps) of `p` from gradients `g` × `grad_scale`, moments `m`,
+//! `v`; `pf(blocks, body)` runs body(b) for blocks of 65536 parameters.
+void adamw_update(std::span<float> p, std::span<const float> g, std::span<float> m, std::span<float> v, std::size_t t, double lr,
+                  const optimizer_options& o, double grad_scale,
+                  const std::function<void(std::size_t, const std::function<void(std::size_t)>&)>& pf);
+}  // namespace detail
+
 //! The heads being trained: f32 parameters (the `medusa::head_weights` arena), gradients, Adam
 //! moments, a thread pool for row-wise work. BLAS threads are set from `threads` too.
 class head_trainer {
@@ -61,6 +70,9 @@ class head_trainer {
   //! Heads of `shape` initialised from `lm_head` [V][d] (projections) with ResBlock W = 0 and
   //! biases uniform in ±1/√d from `seed`. `threads` ≥ 1 is used for BLAS and row-wise work.
   head_trainer(const head_shape& shape, const float* lm_head, std::uint64_t seed, int threads);
+  //! Heads that continue from trained ones (`--init-heads`): per-head projections of any dtype,
+  //! converted to f32. Throws `medusa::invalid_input` for shared-projection heads.
+  head_trainer(const medusa::head_weights& init, int threads);
   ~head_trainer();
   head_trainer(const head_trainer&) = delete;
   head_trainer& operator=(const head_trainer&) = delete;
@@ -79,10 +91,20 @@ class head_trainer {
   //! One optimiser step on a batch: loss and gradient, clipping, AdamW at learning rate `lr`.
   head_batch_stats step(const float* x, std::size_t batch, const std::int32_t* targets, std::span<const float> head_weights,
                         double lr, const optimizer_options& opt);
+  //! Zeroes the gradients and accumulates those of a batch (no update); adds d loss / d x to
+  //! `dx` ([batch][d]) when not null. The objective's head weights are `head_weights`.
+  head_batch_stats accumulate(const float* x, std::size_t batch, const std::int32_t* targets, std::span<const float> head_weights,
+                              float* dx = nullptr);
+  //! Σ g² of the current gradients (summed in a fixed order).
+  [[nodiscard]] double grad_squared_norm();
+  //! One AdamW update from the current gradients scaled by `grad_scale` (clipping), at `lr`.
+  void apply(double lr, const optimizer_options& opt, double grad_scale);
   //! Loss only (no update).
   head_batch_stats loss(const float* x, std::size_t batch, const std::int32_t* targets, std::span<const float> head_weights);
   //! Head logits `[batch][K][V]`.
   void logits(const float* x, std::size_t batch, float* out);
+  //! Threads of the trainer's pool (and of BLAS when it runs the heads).
+  [[nodiscard]] int threads() const noexcept;
   //! Runs `body(i)` for i < n on the trainer's threads (rows in contiguous chunks).
   void parallel_for(std::size_t n, const std::function<void(std::size_t)>& body);
   //! Gradient norm of the last `step` before clipping.
