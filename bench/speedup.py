@@ -8,6 +8,12 @@ step, and whether the tokens were identical in every run.
 
   bench/speedup.py --bin build/release/examples --model ../shared/models/pycode-15m/model.bin \
       --heads build/heads/pycode-15m --trees mc_sim_7b_63,build/heads/pycode-15m/tree-8.json
+
+A Medusa-2 model (a fine-tuned backbone) is compared with the model it came from as well:
+--plain-model ORIGINAL runs plain decoding of ORIGINAL right after each `--mode both` run and
+adds the speedup over it, and how many prompts the two models continue identically.
+--prompts-file takes the prompts from a file (one per line, \\n escapes; medusa-train writes
+held-out ones to OUT/heldout-prompts.txt).
 """
 import argparse
 import json
@@ -49,16 +55,34 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--head-weights", default="", help="medusa-run --head-weights (default: its own)")
     ap.add_argument("--per-prompt", action="store_true", help="also print each prompt's medians")
+    ap.add_argument("--prompts-file", default="", help="prompts, one per line (\\n, \\t, \\\\ escapes)")
+    ap.add_argument("--plain-model", default="", help="also time plain decoding of this model (the original of a Medusa-2 model)")
     a = ap.parse_args()
+    prompts = DEFAULT_PROMPTS
+    if a.prompts_file:
+        def unescape(line: str) -> str:
+            out, i = [], 0
+            while i < len(line):
+                if line[i] == "\\" and i + 1 < len(line):
+                    out.append({"n": "\n", "t": "\t", "\\": "\\"}.get(line[i + 1], line[i + 1]))
+                    i += 2
+                else:
+                    out.append(line[i])
+                    i += 1
+            return "".join(out)
+        with open(a.prompts_file, encoding="utf-8") as f:
+            prompts = [unescape(l.rstrip("\n")) for l in f if l.strip()]
 
     print(f"{'weights':7} {'tree':28} {'nodes':>5} {'plain tok/s':>11} {'medusa tok/s':>12} "
-          f"{'speedup':>7} {'tok/step':>8} identical")
+          f"{'speedup':>7} {'tok/step':>8} identical"
+          + (f" {'orig tok/s':>10} {'vs orig':>7} same-as-orig" if a.plain_model else ""))
     for weights in a.weights.split(","):
         for tree in a.trees.split(","):
             ratios, plain, medusa, per_step, same = [], [], [], [], True
-            by_prompt = {p: ([], []) for p in DEFAULT_PROMPTS}  # ratios, tokens per step
+            orig, orig_ratios, orig_same = [], [], 0
+            by_prompt = {p: ([], []) for p in prompts}  # ratios, tokens per step
             for _ in range(a.repeat):
-                for prompt in DEFAULT_PROMPTS:
+                for prompt in prompts:
                     out = subprocess.run(
                         [f"{a.bin}/medusa-run", "--model", a.model, "--heads", a.heads, "--tree", tree,
                          "--weights", weights, "--threads", str(a.threads), "--prompt", prompt,
@@ -76,10 +100,24 @@ def main() -> int:
                     per_step.append(m["mean_accepted"])
                     by_prompt[prompt][0].append(ratios[-1])
                     by_prompt[prompt][1].append(per_step[-1])
+                    if a.plain_model:
+                        po = subprocess.run(
+                            [f"{a.bin}/medusa-run", "--model", a.plain_model, "--weights", weights, "--threads", str(a.threads),
+                             "--prompt", prompt, "--max-new-tokens", str(a.tokens), "--mode", "vanilla", "--json"],
+                            capture_output=True, text=True)
+                        if po.returncode != 0:
+                            print(po.stderr, file=sys.stderr)
+                            return 1
+                        o = json.loads(po.stdout.splitlines()[0])
+                        orig.append(o["tokens_per_second"])
+                        orig_ratios.append(m["tokens_per_second"] / o["tokens_per_second"])
+                        orig_same += o["tokens"] == v["tokens"]
             nodes = str(tree_nodes(a.bin, tree))
             name = tree if len(tree) <= 28 else "…" + tree[-27:]
             print(f"{weights:7} {name:28} {nodes:>5} {statistics.median(plain):11.1f} {statistics.median(medusa):12.1f} "
-                  f"{statistics.median(ratios):6.2f}x {statistics.median(per_step):8.2f} {'yes' if same else 'NO'}",
+                  f"{statistics.median(ratios):6.2f}x {statistics.median(per_step):8.2f} {'yes' if same else 'NO':9}"
+                  + (f" {statistics.median(orig):10.1f} {statistics.median(orig_ratios):6.2f}x {orig_same}/{len(orig)}"
+                     if a.plain_model else ""),
                   flush=True)
             if a.per_prompt:
                 for prompt, (r, t) in by_prompt.items():

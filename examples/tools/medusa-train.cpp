@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// medusa-train: trains Medusa-1 heads on the CPU by self-distillation from a frozen base model
-// (see docs/training.md). Writes medusa_heads.safetensors + config.json + calibration.json.
+// medusa-train: trains Medusa heads on the CPU by self-distillation from the base model (see
+// docs/training.md): Medusa-1 (frozen backbone) or Medusa-2 (then heads and a LoRA-adapted backbone
+// jointly). Writes medusa_heads.safetensors + config.json + calibration.json (+ model/ and adapter/).
 #include "tool_common.hpp"
 
 #include <medusa_train/openblas_env.hpp>
@@ -9,6 +10,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -53,6 +55,8 @@ class status_line {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A file-size limit (or quota) must fail the write with an error, not kill the process.
+  std::signal(SIGXFSZ, SIG_IGN);
   medusa_train::reexec_with_fast_openblas(argv);  // AVX-512 sgemm kernels (5x) where OpenBLAS misdetects the CPU
   CLI::App app{"Train Medusa heads on the CPU by self-distillation (Medusa-1: frozen backbone and lm_head)", "medusa-train"};
   medusa_train::run_options o;
@@ -94,12 +98,28 @@ int main(int argc, char** argv) {
   app.add_option("--decode-prompts", o.decode_prompts, "after training, measure acceptance with the decoder on this many held-out prompts")
       ->capture_default_str();
   app.add_option("--decode-tokens", o.decode_tokens, "tokens per acceptance prompt")->capture_default_str();
+  std::string recipe = "medusa1";
+  app.add_option("--recipe", recipe, "medusa1: heads on the frozen model; medusa2: then heads and a LoRA-adapted backbone jointly")
+      ->check(CLI::IsMember({"medusa1", "medusa2"}))
+      ->capture_default_str();
+  app.add_option("--init-heads", o.init_heads, "start from these trained heads (medusa2: instead of the heads-only stage)");
+  app.add_option("--lora-rank", o.lora.rank, "medusa2: LoRA rank r (1..d)")->capture_default_str();
+  app.add_option("--lora-alpha", o.lora.alpha, "medusa2: LoRA alpha (the update is alpha/r * B A)")->capture_default_str();
+  app.add_option("--lora-dropout", o.lora.dropout, "medusa2: dropout of the adapters' input")->capture_default_str();
+  app.add_option("--heads-lr", o.heads_lr, "medusa2 joint stage: peak learning rate of the heads")->capture_default_str();
+  app.add_option("--backbone-lr", o.backbone_lr, "medusa2 joint stage: peak learning rate of the adapters (below --heads-lr)")->capture_default_str();
+  app.add_option("--heads-coefficient", o.heads_coefficient, "medusa2: weight of the heads' loss next to the self-distillation KL")
+      ->capture_default_str();
+  app.add_option("--joint-epochs", o.joint_epochs, "medusa2: passes of the joint stage over the training sequences")->capture_default_str();
+  app.add_option("--batch-sequences", o.batch_sequences, "medusa2: sequences per joint step")->capture_default_str();
+  app.add_option("--teacher-topk", o.teacher_topk, "medusa2: logits of the original model kept per position for the KL")->capture_default_str();
   bool quiet = false;
   app.add_flag("--no-progress", quiet, "no progress lines (errors and the summary only)");
 
   return medusa_tools::run_tool(app, argc, argv, [&] {
     if (o.prompts.empty() && o.corpus.empty()) throw medusa_tools::usage_error("give --prompts FILE or --corpus DIR");
     o.cache_dtype = cache_dtypes.at(cache_dtype);
+    o.what = recipe == "medusa2" ? medusa_train::recipe::medusa2 : medusa_train::recipe::medusa1;
     status_line st;
     medusa_train::run_events ev;
     ev.log = [&](const std::string& s) { st.line(s); };
@@ -115,6 +135,13 @@ int main(int argc, char** argv) {
                               p.total_steps, p.loss, acc, p.lr, p.positions_per_second, duration(p.elapsed), duration(p.eta)),
                   p.step == p.total_steps);
       };
+      ev.on_joint = [&](const medusa_train::joint_progress& p) {
+        std::string acc;
+        for (double a : p.head_top1) acc += fmt::format(" {:4.1f}", 100 * a);
+        st.update(fmt::format("joint step {:>6}/{}  KL {:.4f}  heads {:.3f}  top1%{}  lr {:.2e}  {:5.0f} pos/s  elapsed {}  ETA {}", p.step,
+                              p.total_steps, p.kl, p.head_loss, acc, p.lr, p.positions_per_second, duration(p.elapsed), duration(p.eta)),
+                  p.step == p.total_steps);
+      };
     }
     const auto r = medusa_train::run_training(o, ev);
     st.line(fmt::format("trained {} steps ({} positions seen, {} available) in {:.1f} s{}", r.fit.steps, r.fit.positions_seen,
@@ -126,6 +153,12 @@ int main(int argc, char** argv) {
     for (std::size_t k = 0; k < r.cal.num_heads; ++k)
       st.line(fmt::format("{:>4}  t+{:<4}  {:5.1f}%  {:5.1f}%  {:5.1f}%  {:.3f}", k, k + 2, 100 * r.cal.top(k, 1), 100 * r.cal.top(k, 5),
                           100 * r.cal.top(k, 10), r.cal.mean_loss[k]));
+    if (o.what == medusa_train::recipe::medusa2) {
+      st.line(fmt::format("adapted model (held out): agreement {:.2f}%, mean KL {:.4f}, perplexity {:.3f} vs original {:.3f} ({:+.2f}%)",
+                          100 * r.quality.agreement, r.quality.mean_kl, r.quality.perplexity_adapted, r.quality.perplexity_original,
+                          r.quality.perplexity_original > 0 ? 100 * (r.quality.perplexity_adapted / r.quality.perplexity_original - 1) : 0.0));
+      st.line(fmt::format("wrote the merged model {} and the adapter {}", r.model_file.string(), r.adapter_dir.string()));
+    }
     st.line(fmt::format("wrote {}, config.json, calibration.json ({:.1f} s total)", r.heads_file.string(), r.total_seconds));
     return medusa_tools::exit_ok;
   });

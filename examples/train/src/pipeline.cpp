@@ -11,6 +11,9 @@
 #include <medusa_llama/packed_heads.hpp>
 #include <medusa_llama/model.hpp>
 #include <medusa_llama/tokenizer.hpp>
+#include <medusa_train/peft_adapter.hpp>
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -64,6 +67,104 @@ void write_text(const std::filesystem::path& p, const std::string& text) {
   if (ec) throw medusa::io_error("cannot rename " + tmp.string() + ": " + ec.message());
 }
 
+// The output directory is built as a hidden sibling and swapped in at the end, so that a failed
+// run (a full disk, an error, an interrupt) never leaves half of its files in `out`.
+class output_dir {
+ public:
+  explicit output_dir(const std::filesystem::path& out) {
+    auto o = std::filesystem::absolute(out).lexically_normal();
+    if (o.filename().empty()) o = o.parent_path();
+    final_ = o;
+    work_ = o.parent_path() / ("." + o.filename().string() + ".tmp-" + std::to_string(::getpid()));
+    std::error_code ec;
+    std::filesystem::remove_all(work_, ec);
+    std::filesystem::create_directories(work_, ec);
+    if (ec) throw medusa::io_error("cannot create " + work_.string() + ": " + ec.message());
+  }
+  ~output_dir() {
+    if (committed_) return;
+    std::error_code ec;
+    std::filesystem::remove_all(work_, ec);
+  }
+  output_dir(const output_dir&) = delete;
+  output_dir& operator=(const output_dir&) = delete;
+
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return work_; }
+  [[nodiscard]] const std::filesystem::path& final_path() const noexcept { return final_; }
+
+  // Moves `keep` (a directory inside the old output, e.g. its cache) into the new one, then
+  // replaces the old output directory with the new one.
+  void commit(const std::filesystem::path& keep) {
+    std::error_code ec;
+    const auto keep_abs = keep.empty() ? keep : std::filesystem::absolute(keep).lexically_normal();
+    if (!keep_abs.empty() && keep_abs.parent_path() == final_ && std::filesystem::exists(keep_abs, ec)) {
+      std::filesystem::rename(keep_abs, work_ / keep_abs.filename(), ec);
+      if (ec) throw medusa::io_error("cannot move " + keep_abs.string() + " into " + work_.string() + ": " + ec.message());
+    }
+    const auto old = final_.parent_path() / ("." + final_.filename().string() + ".old-" + std::to_string(::getpid()));
+    const bool had_old = std::filesystem::exists(final_, ec);
+    if (had_old) {
+      std::filesystem::rename(final_, old, ec);
+      if (ec) throw medusa::io_error("cannot move the previous " + final_.string() + " aside: " + ec.message());
+    }
+    std::filesystem::rename(work_, final_, ec);
+    if (ec) throw medusa::io_error("cannot rename " + work_.string() + " to " + final_.string() + ": " + ec.message());
+    committed_ = true;
+    if (had_old) std::filesystem::remove_all(old, ec);
+  }
+
+ private:
+  std::filesystem::path final_, work_;
+  bool committed_ = false;
+};
+
+// Held-out text for perplexity: the held-out corpus files (or prompt lines), BOS first, at most a
+// context each.
+std::vector<std::vector<std::int32_t>> held_out_texts(const prompt_set& prompts, const medusa_llama::tokenizer& tok, int count, int context) {
+  std::vector<std::vector<std::int32_t>> out;
+  auto add = [&](const std::string& text) {
+    auto ids = tok.encode(text, true, false);
+    if (ids.size() < 16) return;
+    if (ids.size() > static_cast<std::size_t>(context)) ids.resize(static_cast<std::size_t>(context));
+    out.emplace_back(ids.begin(), ids.end());
+  };
+  if (prompts.is_corpus()) {
+    for (const auto& f : prompts.files(split::eval)) {
+      if (static_cast<int>(out.size()) >= count) break;
+      std::ifstream in(f, std::ios::binary);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      add(text);
+    }
+  } else {
+    for (const auto& line : prompts.lines(split::eval)) {
+      if (static_cast<int>(out.size()) >= count) break;
+      add(line);
+    }
+  }
+  return out;
+}
+
+// Rows of q_proj / k_proj's lora_B in the Hugging Face order (rotate_half) for a model whose RoPE
+// pairs adjacent dimensions: row 2i+e of a head becomes row e·hd/2+i, as in the HF conversion.
+std::vector<float> hf_rows(std::span<const float> B, std::size_t out, std::size_t rank, std::size_t hd) {
+  std::vector<float> r(B.size());
+  for (std::size_t row = 0; row < out; ++row) {
+    const std::size_t head = row / hd, j = row % hd, i = j / 2, e = j % 2;
+    const std::size_t to = head * hd + e * (hd / 2) + i;
+    std::copy_n(B.data() + row * rank, rank, r.data() + to * rank);
+  }
+  return r;
+}
+
+void copy_beside(const std::filesystem::path& from_dir, const std::filesystem::path& to_dir, std::initializer_list<const char*> names) {
+  std::error_code ec;
+  for (const char* n : names)
+    if (std::filesystem::exists(from_dir / n, ec)) {
+      std::filesystem::copy_file(from_dir / n, to_dir / n, std::filesystem::copy_options::overwrite_existing, ec);
+      if (ec) throw medusa::io_error("cannot copy " + (from_dir / n).string() + " to " + to_dir.string() + ": " + ec.message());
+    }
+}
+
 }  // namespace
 
 std::filesystem::path resolve_tokenizer(const run_options& o) {
@@ -113,10 +214,41 @@ run_report run_training(const run_options& o, const run_events& ev) {
     log("prompts " + o.prompts.string() + ": " + std::to_string(prompts.lines(split::train).size()) + " train, " +
         std::to_string(prompts.lines(split::eval).size()) + " held-out");
 
+  // ---- Medusa-2 and --init-heads: refused before any long work ----------------------------------
+  const bool m2 = o.what == recipe::medusa2;
+  std::error_code ec;
+  const bool hf_input = std::filesystem::is_directory(o.model, ec);
+  if (m2) {
+    if (!hf_input && medusa_llama::is_gguf(o.model))
+      throw medusa::invalid_input("train: --recipe medusa2 writes the merged model as llama2.c or Hugging Face files; convert the GGUF model "
+                                  "to one of them first");
+    if (o.lora.rank == 0 || o.lora.rank > static_cast<std::size_t>(cfg.dim))
+      throw medusa::invalid_input("train: --lora-rank " + std::to_string(o.lora.rank) + " is outside [1, d = " + std::to_string(cfg.dim) + "]");
+    if (!(o.lora.alpha > 0) || !std::isfinite(o.lora.alpha)) throw medusa::invalid_input("train: --lora-alpha must be positive");
+    if (!(o.lora.dropout >= 0 && o.lora.dropout < 1)) throw medusa::invalid_input("train: --lora-dropout must be in [0, 1)");
+    if (!(o.heads_lr > 0) || !(o.backbone_lr > 0)) throw medusa::invalid_input("train: --heads-lr and --backbone-lr must be positive");
+    if (!(o.backbone_lr < o.heads_lr))
+      throw medusa::invalid_input("train: --backbone-lr " + fmt("%g", o.backbone_lr) + " must be below --heads-lr " + fmt("%g", o.heads_lr) +
+                                  " (the backbone moves slower than the heads)");
+    if (o.joint_epochs <= 0 || o.batch_sequences == 0 || o.teacher_topk == 0)
+      throw medusa::invalid_input("train: --joint-epochs, --batch-sequences and --teacher-topk must be positive");
+  }
+  std::optional<medusa::head_weights> init_heads;
+  if (!o.init_heads.empty()) {
+    auto loaded = medusa::load_heads(o.init_heads);
+    const auto& h = loaded.heads;
+    if (h.hidden_size() != static_cast<std::size_t>(cfg.dim) || h.vocab_size() != static_cast<std::size_t>(cfg.vocab_size))
+      throw medusa::invalid_input("train: --init-heads " + o.init_heads.string() + " holds heads for d=" + std::to_string(h.hidden_size()) +
+                                  " V=" + std::to_string(h.vocab_size()) + ", the model has d=" + std::to_string(cfg.dim) + " V=" +
+                                  std::to_string(cfg.vocab_size));
+    init_heads = std::move(loaded.heads);
+  }
+  output_dir outdir(o.out);
+  const auto& work = outdir.path();
+
   // ---- cache key: everything the data depends on ---------------------------------------------
   cache_key_builder kb;
   kb.add("format", std::string("medusa-distill-cache/1"));
-  std::error_code ec;
   if (!std::filesystem::is_directory(o.model, ec)) {
     kb.add_file("model", o.model);
   } else {
@@ -185,34 +317,157 @@ run_report run_training(const run_options& o, const run_events& ev) {
 
   // ---- training -------------------------------------------------------------------------------
   const head_shape shape{static_cast<std::size_t>(cfg.dim), static_cast<std::size_t>(cfg.vocab_size), o.heads, o.layers};
-  head_trainer trainer(shape, m.classifier(), o.seed, threads);
+  auto trainer_ptr = init_heads ? std::make_unique<head_trainer>(*init_heads, threads)
+                                : std::make_unique<head_trainer>(shape, m.classifier(), o.seed, threads);
+  head_trainer& trainer = *trainer_ptr;
+  const std::size_t heads_k = trainer.shape().K;
   fit_options fo;
   fo.batch = o.batch;
   fo.epochs = o.epochs;
   fo.decay = o.decay;
   fo.opt = o.opt;
   fo.seed = o.seed;
+  const double reserve = 2.0 + static_cast<double>(eval_rows) / 4000.0 + (o.decode_prompts > 0 ? 10.0 + o.decode_prompts * 3.0 : 0.0);
   fo.deadline = deadline;
-  fo.reserve_seconds = 2.0 + static_cast<double>(eval_rows) / 4000.0 + (o.decode_prompts > 0 ? 10.0 + o.decode_prompts * 3.0 : 0.0);
+  fo.reserve_seconds = reserve;
+  if (m2 && deadline) {  // the heads-only stage gets a fifth of what is left; the joint stage the rest
+    const auto now = clock_type::now();
+    fo.deadline = now + (*deadline - now) / 5;
+    fo.reserve_seconds = 0;
+  }
   fo.on_progress = ev.on_fit;
-  log("training " + std::to_string(o.heads) + " heads x " + std::to_string(o.layers) + " layers on " + std::to_string(data.rows() - eval_rows) +
-      " positions (" + std::to_string(eval_rows) + " held out), " + std::to_string(threads) + " threads");
-  rep.fit = fit(trainer, data, fo);
+  if (init_heads) {
+    log("heads: " + std::to_string(heads_k) + " x " + std::to_string(trainer.shape().L) + " layers from " + o.init_heads.string() +
+        (m2 ? " (no heads-only stage)" : ", trained further"));
+  }
+  if (!init_heads || !m2) {
+    log(std::string(m2 ? "stage 1 (heads only): " : "") + "training " + std::to_string(heads_k) + " heads x " + std::to_string(trainer.shape().L) +
+        " layers on " + std::to_string(data.rows() - eval_rows) + " positions (" + std::to_string(eval_rows) + " held out), " +
+        std::to_string(threads) + " threads");
+    rep.fit = fit(trainer, data, fo);
+  }
+
+  // ---- Medusa-2: the heads and a LoRA-adapted backbone together ---------------------------------
+  medusa_llama::model final_model = m;
+  if (m2) {
+    const auto seqs = cache_sequences(data, prompts, *tok, o.seed, o.prompt_min, o.prompt_max);
+    lora_model lm(m, o.lora, o.seed ^ 0x10a0a0ull);
+    const auto teacher_file = cache_dir / ("teacher-" + rep.key.hex() + (rep.cache_file.string().find(".partial") != std::string::npos ? ".partial" : "") +
+                                           "-k" + std::to_string(o.teacher_topk) + ".bin");
+    auto teacher = teacher_table::load(teacher_file, seqs, o.teacher_topk);
+    if (teacher) {
+      log("teacher: " + teacher_file.string());
+    } else {
+      const auto t_teacher = clock_type::now();
+      teacher = teacher_table::compute(lm, seqs, o.teacher_topk, threads);
+      teacher->save(teacher_file);
+      log("teacher: top-" + std::to_string(o.teacher_topk) + " logits of the original model for " + std::to_string(seqs.size()) +
+          " sequences in " + fmt("%.1f s", seconds_since(t_teacher)) + " -> " + teacher_file.string());
+    }
+    joint_options jo;
+    jo.heads_lr = o.heads_lr;
+    jo.backbone_lr = o.backbone_lr;
+    jo.heads_coefficient = o.heads_coefficient;
+    jo.decay = o.decay;
+    jo.epochs = o.joint_epochs;
+    jo.batch_sequences = o.batch_sequences;
+    jo.opt = o.opt;
+    jo.seed = o.seed;
+    jo.deadline = deadline;
+    jo.reserve_seconds = reserve + 10.0 + 0.5 * static_cast<double>(eval_rows) / 1000.0;  // quality and the adapted model's held-out data
+    jo.on_progress = ev.on_joint;
+    log("stage 2 (joint): LoRA rank " + std::to_string(o.lora.rank) + fmt(", alpha %g", o.lora.alpha) + fmt(", dropout %g", o.lora.dropout) +
+        " on q,k,v,o,gate,up,down (" + std::to_string(lm.params().size()) + " parameters), heads lr " + fmt("%g", o.heads_lr) +
+        ", backbone lr " + fmt("%g", o.backbone_lr));
+    rep.joint = fit_joint(lm, trainer, seqs, *teacher, jo);
+    log("joint: " + std::to_string(rep.joint.steps) + " steps in " + fmt("%.1f s", rep.joint.seconds) + fmt(", KL %.4f", rep.joint.final_kl) +
+        fmt(", head loss %.4f", rep.joint.final_head_loss) + (rep.joint.budget_limited ? " (shortened by the budget)" : ""));
+    const auto texts = held_out_texts(prompts, *tok, o.perplexity_texts, cfg.seq_len);
+    rep.quality = measure_quality(lm, seqs, texts, threads);
+    log(fmt("adapted model, held out: agreement %.2f%%", 100 * rep.quality.agreement) + fmt(", mean KL %.4f", rep.quality.mean_kl) +
+        fmt(", perplexity %.3f", rep.quality.perplexity_adapted) + fmt(" (original %.3f", rep.quality.perplexity_original) + " on " +
+        std::to_string(rep.quality.text_tokens) + " tokens)");
+    final_model = lm.merged();
+    // The merged model, in the input's format, with its tokenizer beside it.
+    const auto model_dir = work / "model";
+    std::filesystem::create_directories(model_dir, ec);
+    if (hf_input) {
+      final_model.save_hf(model_dir);
+      copy_beside(o.model, model_dir, {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"});
+      rep.model_file = o.out / "model";
+    } else {
+      final_model.save_llama2c(model_dir / "model.bin");
+      copy_beside(tok_path.parent_path(), model_dir, {"tokenizer.bin", "tokenizer.model", "tokenizer.json"});
+      rep.model_file = o.out / "model" / "model.bin";
+    }
+    // The adapter, in PEFT's layout and Hugging Face's row order.
+    std::vector<std::vector<float>> permuted;
+    permuted.reserve(2 * static_cast<std::size_t>(cfg.n_layers));
+    std::vector<lora_tensor_pair> pairs;
+    for (std::size_t l = 0; l < static_cast<std::size_t>(cfg.n_layers); ++l)
+      for (std::size_t p = 0; p < projections_per_layer; ++p) {
+        const auto pr = static_cast<projection>(p);
+        const auto ll = lm.adapter(l, pr);
+        std::span<const float> B(ll.B, ll.out * ll.rank);
+        if (cfg.rope == medusa_llama::rope_style::adjacent_pairs && (pr == projection::q || pr == projection::k)) {
+          permuted.push_back(hf_rows(B, ll.out, ll.rank, static_cast<std::size_t>(cfg.head_dim())));
+          B = permuted.back();
+        }
+        pairs.push_back({module_path(l, pr), ll.in, ll.out, ll.rank, std::span<const float>(ll.A, ll.rank * ll.in), B});
+      }
+    peft_adapter_config pc;
+    pc.rank = o.lora.rank;
+    pc.alpha = o.lora.alpha;
+    pc.dropout = o.lora.dropout;
+    pc.base_model = o.model.string();
+    pc.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+    save_peft_adapter(work / "adapter", pairs, pc);
+    rep.adapter_dir = o.out / "adapter";
+  }
 
   // ---- evaluation and output ------------------------------------------------------------------
   const auto t_eval = clock_type::now();
-  rep.cal = evaluate(trainer, data, split::eval, 10, m.classifier());
+  if (!m2) {
+    rep.cal = evaluate(trainer, data, split::eval, 10, m.classifier());
+  } else {
+    // The heads now read the adapted model's hidden states: held-out data from the merged model
+    // itself (its own continuations of the held-out prompts).
+    const auto eval_file = work / "adapted-eval.bin";
+    {
+      medusa_llama::engine_options eo;
+      eo.threads = threads;
+      eo.max_batch = std::max(64, o.draft + 1);
+      medusa_llama::engine e(final_model, eo);
+      distill_options dopt;
+      dopt.tokens = std::max<std::uint64_t>(eval_rows, 16);
+      dopt.eval_fraction = 1.0;
+      dopt.prompt_min = o.prompt_min;
+      dopt.prompt_max = o.prompt_max;
+      dopt.gen_len = o.gen_len;
+      dopt.temperature = o.temperature;
+      dopt.seed = o.seed;
+      dopt.draft = o.draft;
+      distill_cache_writer w(eval_file, static_cast<std::size_t>(cfg.dim), static_cast<std::size_t>(cfg.vocab_size), o.cache_dtype, 0);
+      generate_distill(e, *tok, prompts, dopt, w);
+      w.finish();
+    }
+    {
+      const auto adapted = distill_cache::open(eval_file);
+      rep.cal = evaluate(trainer, adapted, split::eval, 10, final_model.classifier());
+    }
+    std::filesystem::remove(eval_file, ec);
+  }
   rep.eval_seconds = seconds_since(t_eval);
   medusa::head_save_options so;
-  so.base_model_name_or_path = o.model.string();
-  rep.heads_file = medusa::save_heads(o.out, trainer.weights().view(), so);
+  so.base_model_name_or_path = m2 ? rep.model_file.string() : o.model.string();
+  rep.heads_file = o.out / medusa::save_heads(work, trainer.weights().view(), so).filename();
 
   // ---- acceptance with the real decoder (optional) ----------------------------------------
   if (o.decode_prompts > 0 && prompts.has(split::eval)) {
     medusa_llama::engine_options eo;
     eo.threads = threads;
     eo.max_batch = 64;
-    medusa_llama::engine dm(m, eo);
+    medusa_llama::engine dm(final_model, eo);
     // The heads run as medusa-run runs them: packed (int8) on the engine's threads.
     medusa_llama::packed_heads runner(dm, trainer.weights().view());
     std::vector<std::vector<std::int32_t>> ps;
@@ -232,8 +487,8 @@ run_report run_training(const run_options& o, const run_events& ev) {
     }
     const medusa::path_calibration path_cal = rep.cal.paths();
     std::vector<std::pair<std::string, medusa::tree>> trees;
-    const std::size_t max_d = std::min<std::size_t>(o.heads, 5);
-    if (o.heads >= 4) trees.emplace_back("mc_sim_7b_63", medusa::tree::preset("mc_sim_7b_63"));
+    const std::size_t max_d = std::min<std::size_t>(heads_k, 5);
+    if (heads_k >= 4) trees.emplace_back("mc_sim_7b_63", medusa::tree::preset("mc_sim_7b_63"));
     {
       std::vector<std::vector<int>> chain;
       for (std::size_t dd = 1; dd <= max_d; ++dd) chain.emplace_back(dd, 0);
@@ -278,6 +533,18 @@ run_report run_training(const run_options& o, const run_events& ev) {
   meta += "  \"cache_key\": \"" + rep.key.hex() + "\",\n";
   meta += "  \"train_seconds\": " + fmt("%.1f", rep.fit.seconds) + ",\n";
   meta += "  \"total_seconds\": " + fmt("%.1f", rep.total_seconds);
+  meta += ",\n  \"recipe\": \"" + std::string(m2 ? "medusa2" : "medusa1") + "\"";
+  if (m2) {
+    const auto& q = rep.quality;
+    meta += ",\n  \"medusa2\": {\"lora_rank\": " + std::to_string(o.lora.rank) + ", \"lora_alpha\": " + fmt("%g", o.lora.alpha) +
+            ", \"lora_dropout\": " + fmt("%g", o.lora.dropout) + ", \"heads_lr\": " + fmt("%g", o.heads_lr) + ", \"backbone_lr\": " +
+            fmt("%g", o.backbone_lr) + ", \"heads_coefficient\": " + fmt("%g", o.heads_coefficient) + ", \"joint_steps\": " +
+            std::to_string(rep.joint.steps) + ", \"joint_seconds\": " + fmt("%.1f", rep.joint.seconds) + ", \"heads_stage_seconds\": " +
+            fmt("%.1f", rep.fit.seconds) + ",\n    \"agreement\": " + fmt("%.5f", q.agreement) + ", \"mean_kl\": " + fmt("%.6f", q.mean_kl) +
+            ", \"positions\": " + std::to_string(q.positions) + ", \"perplexity_original\": " + fmt("%.4f", q.perplexity_original) +
+            ", \"perplexity_adapted\": " + fmt("%.4f", q.perplexity_adapted) + ", \"perplexity_tokens\": " + std::to_string(q.text_tokens) +
+            ",\n    \"model\": " + json_str(rep.model_file.string()) + ", \"adapter\": " + json_str(rep.adapter_dir.string()) + "}";
+  }
   if (!rep.acceptance.empty()) {
     meta += ",\n  \"acceptance\": [";
     for (std::size_t i = 0; i < rep.acceptance.size(); ++i) {
@@ -290,9 +557,9 @@ run_report run_training(const run_options& o, const run_events& ev) {
     }
     meta += "\n  ]";
   }
-  write_text(o.out / "calibration.json", calibration_json(rep.cal, meta));
+  write_text(work / "calibration.json", calibration_json(rep.cal, meta));
   // Trees grown from the calibration table (docs/training.md), ready for `medusa-run --tree OUT/tree-N.json`.
-  const std::size_t grow_depth = std::min<std::size_t>(o.heads, 5);
+  const std::size_t grow_depth = std::min<std::size_t>(heads_k, 5);
   for (std::size_t nodes : {4u, 6u, 8u, 16u, 32u, 64u}) {
     std::string text = "[";
     const auto paths = best_tree(rep.cal, nodes, grow_depth);
@@ -305,8 +572,26 @@ run_report run_training(const run_options& o, const run_events& ev) {
       }
       text += "]";
     }
-    write_text(o.out / ("tree-" + std::to_string(nodes) + ".json"), text + "]\n");
+    write_text(work / ("tree-" + std::to_string(nodes) + ".json"), text + "]\n");
   }
+  // Held-out prompts, one per line with \n, \t, \\ escapes (medusa-run --prompts-file, bench/speedup.py).
+  if (prompts.has(split::eval)) {
+    std::string text;
+    for (std::uint64_t i = 0; i < 48; ++i) {
+      const auto p = prompts.prompt(split::eval, i + 2000003, o.seed, *tok, o.prompt_min, o.prompt_max);
+      const std::string s = tok->decode(std::span<const int>(p));
+      std::string line;
+      for (char c : s) {
+        if (c == '\\') line += "\\\\";
+        else if (c == '\n') line += "\\n";
+        else if (c == '\t') line += "\\t";
+        else if (c != '\r') line += c;
+      }
+      if (line.find_first_not_of(' ') != std::string::npos) text += line + "\n";
+    }
+    write_text(work / "heldout-prompts.txt", text);
+  }
+  outdir.commit(cache_dir);
   return rep;
 }
 

@@ -17,7 +17,10 @@
 
 #include <doctest/doctest.h>
 
+#include <sys/resource.h>
+
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -425,4 +428,152 @@ TEST_CASE("bad options are typed errors") {
   medusa_train::head_trainer t(s, lm.data(), 0, 1);
   const std::int32_t y = 5;  // outside [0, V)
   CHECK_THROWS_AS((void)t.loss(x.data(), 1, &y, w), medusa::invalid_input);
+}
+
+// ---- Medusa-2 -----------------------------------------------------------------------------------
+
+namespace {
+
+medusa_train::run_options tiny_medusa2(const tiny_assets& a, const fs::path& out) {
+  auto o = tiny_options(a, out);
+  o.what = medusa_train::recipe::medusa2;
+  o.lora = {.rank = 4, .alpha = 8, .dropout = 0.05};
+  o.joint_epochs = 2;
+  o.batch_sequences = 4;
+  o.heads_lr = 3e-3;
+  o.backbone_lr = 1e-3;
+  o.teacher_topk = 8;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("Medusa-2 on a tiny model: byte-identical reruns, merged model and adapter, lossless decoding") {
+  const auto dir = scratch("medusa2");
+  const auto a = make_assets(dir);
+  const auto r1 = medusa_train::run_training(tiny_medusa2(a, dir / "m2a"), {});
+  CHECK(r1.fit.steps > 0);    // the heads-only stage ran
+  CHECK(r1.joint.steps >= 2);  // then the joint one
+  CHECK(r1.joint.train_sequences > 0);
+  CHECK(r1.quality.positions > 0);
+  CHECK(r1.quality.text_tokens > 0);
+  CHECK(r1.quality.mean_kl > 0);  // the adapters moved the model …
+  CHECK(r1.quality.agreement > 0.8);  // … and it still mostly agrees with the original
+  CHECK(std::isfinite(r1.quality.perplexity_adapted));
+  for (const char* f : {"medusa_heads.safetensors", "config.json", "calibration.json", "tree-6.json", "model/model.bin", "model/tokenizer.bin",
+                        "adapter/adapter_model.safetensors", "adapter/adapter_config.json"})
+    CHECK_MESSAGE(fs::exists(dir / "m2a" / f), f);
+  CHECK(slurp(dir / "m2a" / "model" / "model.bin") != slurp(a.model));
+  const std::string cal = slurp(dir / "m2a" / "calibration.json");
+  CHECK(cal.find("\"recipe\": \"medusa2\"") != std::string::npos);
+  CHECK(cal.find("\"agreement\"") != std::string::npos);
+  // No temporary directory is left beside the output.
+  for (const auto& e : fs::directory_iterator(dir)) CHECK(e.path().filename().string().find(".tmp-") == std::string::npos);
+
+  // The adapter: 2 layers × 7 projections × (A, B), PEFT names and shapes.
+  const auto ad = medusa::safetensors_file::open(dir / "m2a" / "adapter" / "adapter_model.safetensors");
+  CHECK(ad.tensors().size() == 2 * 7 * 2);
+  const auto* qa = ad.find("base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight");
+  REQUIRE(qa != nullptr);
+  CHECK(qa->shape == std::vector<std::uint64_t>{4, 32});
+  const auto* db = ad.find("base_model.model.model.layers.0.mlp.down_proj.lora_B.weight");
+  REQUIRE(db != nullptr);
+  CHECK(db->shape == std::vector<std::uint64_t>{32, 4});
+  CHECK(slurp(dir / "m2a" / "adapter" / "adapter_config.json").find("\"r\": 4") != std::string::npos);
+
+  // Same seed and threads, data generated again: byte-identical outputs.
+  const auto r2 = medusa_train::run_training(tiny_medusa2(a, dir / "m2b"), {});
+  CHECK_FALSE(r2.cache_hit);
+  for (const char* f : {"medusa_heads.safetensors", "model/model.bin", "adapter/adapter_model.safetensors"})
+    CHECK_MESSAGE(slurp(dir / "m2a" / f) == slurp(dir / "m2b" / f), f);
+
+  // The merged model and its heads decode losslessly: Medusa output == the merged model's greedy output.
+  medusa::head_load_options lo;
+  lo.hidden_size = 32;
+  lo.vocab_size = 259;
+  auto loaded = medusa::load_heads(dir / "m2a", lo);
+  medusa_llama::engine m(medusa_llama::model::load_llama2c(dir / "m2a" / "model" / "model.bin"), {.threads = 1});
+  medusa_llama::packed_heads runner(m, loaded.heads.view());
+  medusa::decode_options dopt;
+  dopt.max_new_tokens = 60;
+  for (const std::vector<std::int32_t>& prompt : {std::vector<std::int32_t>{1, 103, 104, 105}, std::vector<std::int32_t>{1, 40, 90}}) {
+    const auto plain = medusa::generate_vanilla(m, prompt, medusa::greedy_policy{}, dopt);
+    medusa::decoder dec(m, runner, medusa::tree::from_paths({{0}, {1}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}}), medusa::greedy_policy{});
+    const auto out = dec.generate(prompt, dopt);
+    CHECK(out.tokens == plain.tokens);
+  }
+
+  // --init-heads: the heads-only stage is skipped, the heads continue from the given ones.
+  auto o3 = tiny_medusa2(a, dir / "m2c");
+  o3.init_heads = dir / "m2a";
+  o3.cache_dir = dir / "m2a" / "cache";
+  const auto r3 = medusa_train::run_training(o3, {});
+  CHECK(r3.cache_hit);
+  CHECK(r3.fit.steps == 0);
+  CHECK(r3.joint.steps > 0);
+}
+
+TEST_CASE("Medusa-2 bad input: one clear error and nothing written") {
+  const auto dir = scratch("medusa2_bad");
+  const auto a = make_assets(dir);
+  const auto out = dir / "out";
+  auto expect_error = [&](const medusa_train::run_options& o, const std::string& text) {
+    INFO("expected: " << text);
+    CHECK_THROWS_WITH_AS((void)medusa_train::run_training(o, {}), doctest::Contains(text.c_str()), medusa::invalid_input);
+    CHECK_FALSE(fs::exists(out));
+  };
+  auto o = tiny_medusa2(a, out);
+  o.lora.rank = 0;
+  expect_error(o, "--lora-rank 0 is outside [1, d = 32]");
+  o.lora.rank = 33;
+  expect_error(o, "--lora-rank 33 is outside [1, d = 32]");
+  o = tiny_medusa2(a, out);
+  o.backbone_lr = 5e-3;
+  o.heads_lr = 2e-3;
+  expect_error(o, "--backbone-lr 0.005 must be below --heads-lr 0.002");
+  o.backbone_lr = 2e-3;  // equal is refused too
+  expect_error(o, "must be below --heads-lr");
+  // Heads of another model (d = 16) for --init-heads.
+  const auto other = medusa::head_weights::initialize(16, 259, 3, 1, medusa::projection_kind::per_head, medusa::weight_dtype::f32, {}, 1);
+  medusa::save_heads(dir / "other-heads", other.view());
+  o = tiny_medusa2(a, out);
+  o.init_heads = dir / "other-heads";
+  expect_error(o, "holds heads for d=16 V=259, the model has d=32 V=259");
+  const auto other_v = medusa::head_weights::initialize(32, 300, 3, 1, medusa::projection_kind::per_head, medusa::weight_dtype::f32, {}, 1);
+  medusa::save_heads(dir / "other-vocab", other_v.view());
+  o.init_heads = dir / "other-vocab";
+  expect_error(o, "d=32 V=300");
+}
+
+TEST_CASE("a full disk fails the run with an I/O error and leaves the previous output as it was") {
+  const auto dir = scratch("full_disk");
+  const auto a = make_assets(dir);
+  auto o = tiny_medusa2(a, dir / "out");
+  o.cache_dir = dir / "cache";
+  (void)medusa_train::run_training(o, {});  // the data, the teacher and a first output
+  const std::string heads_before = slurp(dir / "out" / "medusa_heads.safetensors");
+  const std::string model_before = slurp(dir / "out" / "model" / "model.bin");
+  REQUIRE(model_before.size() > 40000);
+  // Every file may now hold at most 32 KiB (the cache is read, not written): writing the heads
+  // and the merged model fails as on a full disk.
+  auto before = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit old{};
+  REQUIRE(getrlimit(RLIMIT_FSIZE, &old) == 0);
+  rlimit small = old;
+  small.rlim_cur = 32 * 1024;
+  REQUIRE(setrlimit(RLIMIT_FSIZE, &small) == 0);
+  o.seed = o.seed;  // same inputs: the caches are hits
+  bool threw = false;
+  try {
+    (void)medusa_train::run_training(o, {});
+  } catch (const medusa::io_error& e) {  // medusa_llama::load_error is one too
+    threw = true;
+    MESSAGE("error: " << std::string(e.what()));
+  }
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, before);
+  CHECK(threw);
+  CHECK(slurp(dir / "out" / "medusa_heads.safetensors") == heads_before);
+  CHECK(slurp(dir / "out" / "model" / "model.bin") == model_before);
+  for (const auto& e : fs::directory_iterator(dir)) CHECK(e.path().filename().string().find(".tmp-") == std::string::npos);
 }

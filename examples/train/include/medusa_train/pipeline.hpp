@@ -16,6 +16,7 @@
 #pragma once
 
 #include <medusa_train/distill_cache.hpp>
+#include <medusa_train/medusa2.hpp>
 #include <medusa_train/selfdistill.hpp>
 #include <medusa_train/trainer.hpp>
 
@@ -27,8 +28,15 @@
 
 namespace medusa_train {
 
+//! What `run_training` trains.
+enum class recipe {
+  medusa1,  //!< heads on the frozen backbone
+  medusa2,  //!< heads, then heads and a LoRA-adapted backbone jointly (docs/training.md)
+};
+
 //! Everything `medusa-train` can be told.
 struct run_options {
+  recipe what = recipe::medusa1;     //!< the training recipe
   std::filesystem::path model;       //!< llama2.c `model.bin`, a Hugging Face directory or a GGUF file
   std::filesystem::path tokenizer;   //!< empty: a GGUF model's own, else `tokenizer.json` / `tokenizer.bin` beside the model
   //! llama2.c tokenizers: prepend a space (run.c). Unset: medusa_llama::default_dummy_prefix
@@ -57,6 +65,16 @@ struct run_options {
   double budget_seconds = 0;         //!< wall-clock budget for the whole run (0 = none)
   int decode_prompts = 0;            //!< held-out prompts for the acceptance measurement (0 = skip)
   int decode_tokens = 128;           //!< tokens generated per decode prompt
+  // Medusa-2 (recipe::medusa2):
+  std::filesystem::path init_heads;  //!< start from these trained heads instead of the heads-only stage
+  lora_options lora;                 //!< rank, α, dropout of the adapters
+  double heads_lr = 2e-3;            //!< joint stage: peak learning rate of the heads
+  double backbone_lr = 1e-4;         //!< joint stage: peak learning rate of the adapters (< heads_lr)
+  double heads_coefficient = 0.2;    //!< λ0, the heads' share of the joint loss
+  double joint_epochs = 1.0;         //!< joint stage: passes over the training sequences
+  std::size_t batch_sequences = 8;   //!< joint stage: sequences per step
+  std::size_t teacher_topk = 32;     //!< logits of the original model kept per position
+  int perplexity_texts = 40;         //!< held-out texts scored for perplexity
 };
 
 //! Acceptance of one tree measured with `medusa::decoder` (greedy) against plain decoding.
@@ -83,6 +101,11 @@ struct run_report {
   calibration cal;                     //!< held-out evaluation
   std::vector<acceptance_result> acceptance;  //!< decoder measurements (if asked)
   std::filesystem::path heads_file;    //!< saved weights
+  // Medusa-2:
+  joint_result joint;                  //!< the joint stage
+  adapted_quality quality;             //!< the adapted model against the original (held out)
+  std::filesystem::path model_file;    //!< the merged model (OUT/model/…)
+  std::filesystem::path adapter_dir;   //!< the PEFT adapter (OUT/adapter)
   double eval_seconds = 0;             //!< evaluation time
   double total_seconds = 0;            //!< whole run
 };
@@ -92,9 +115,12 @@ struct run_events {
   std::function<void(const std::string&)> log;                 //!< one-line messages
   std::function<void(const distill_progress&)> on_distill;     //!< generation progress
   std::function<void(const fit_progress&)> on_fit;             //!< training progress
+  std::function<void(const joint_progress&)> on_joint;         //!< Medusa-2 joint-stage progress
 };
 
-//! Runs everything (see the file comment). Throws `medusa::invalid_input` for bad options or
+//! Runs everything (see the file comment). The output directory is written as a temporary
+//! sibling directory and renamed over `o.out` at the end (the cache directory, when inside it,
+//! moves with it), so a failed run leaves `o.out` as it was. Throws `medusa::invalid_input` for bad options or
 //! inputs, `medusa::io_error` / engine errors otherwise.
 run_report run_training(const run_options& o, const run_events& ev);
 

@@ -1,0 +1,446 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <medusa_train/medusa2.hpp>
+
+#include <medusa_llama/thread_pool.hpp>
+
+#include <medusa/error.hpp>
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+
+namespace medusa_train {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
+
+std::uint64_t mix(std::uint64_t z) noexcept {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Uniform index below n from a splitmix stream (n is far below 2^32 here: bias < 2^-32).
+std::size_t below(std::uint64_t& s, std::size_t n) {
+  s = mix(s);
+  return static_cast<std::size_t>((s >> 32) * static_cast<std::uint64_t>(n) >> 32);
+}
+
+// Runs body(i, tid) for i < n on `pool`, one index per chunk (BLAS single-threaded meanwhile: the
+// sequences are the parallelism).
+template <class F>
+void per_sequence(medusa_llama::thread_pool& pool, std::size_t n, F&& body) {
+  if (n == 0) return;
+  openblas_set_num_threads(1);
+  pool.run(static_cast<int>(n), [&](int c, int tid) { body(static_cast<std::size_t>(c), static_cast<std::size_t>(tid)); });
+}
+
+// The k largest logits of a row, ties by ascending id (the decoder's order).
+void top_k(const float* z, std::size_t V, std::size_t k, std::vector<std::int32_t>& idx, std::int32_t* ids, float* logits) {
+  idx.resize(V);
+  std::iota(idx.begin(), idx.end(), 0);
+  auto better = [&](std::int32_t a, std::int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
+  std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(k), idx.end(), better);
+  for (std::size_t i = 0; i < k; ++i) {
+    ids[i] = idx[i];
+    logits[i] = z[idx[i]];
+  }
+}
+
+std::size_t argmax_row(const float* z, std::size_t V) {
+  std::size_t b = 0;
+  for (std::size_t v = 1; v < V; ++v)
+    if (z[v] > z[b]) b = v;
+  return b;
+}
+
+// log Σ exp(z) in double.
+double log_sum_exp(const float* z, std::size_t V) {
+  float mx = z[0];
+  for (std::size_t v = 1; v < V; ++v) mx = std::max(mx, z[v]);
+  double s = 0;
+  for (std::size_t v = 0; v < V; ++v) s += std::exp(static_cast<double>(z[v] - mx));
+  return static_cast<double>(mx) + std::log(s);
+}
+
+constexpr char teacher_magic[8] = {'M', 'D', 'T', 'E', 'A', 'C', 'H', '2'};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// sequences
+
+std::vector<backbone_sequence> cache_sequences(const distill_cache& data, const prompt_set& prompts, const medusa_llama::tokenizer& tok,
+                                               std::uint64_t seed, int prompt_min, int prompt_max) {
+  std::vector<backbone_sequence> out;
+  out.reserve(data.size());
+  std::uint64_t index[2] = {0, 0};
+  for (std::size_t r = 0; r < data.size(); ++r) {
+    const auto& rec = data[r];
+    const auto which = rec.which;
+    const auto prompt = prompts.prompt(which, index[static_cast<int>(which)]++, seed, tok, prompt_min, prompt_max);
+    if (prompt.size() != rec.prompt_len || rec.tokens.empty() || prompt.back() != rec.tokens[0])
+      throw medusa::invalid_input("medusa2: cache record " + std::to_string(r) + " does not continue the prompt it was cut from "
+                                  "(the cache was generated from other prompts or options)");
+    backbone_sequence s;
+    s.tokens.assign(prompt.begin(), prompt.end());
+    s.tokens.insert(s.tokens.end(), rec.tokens.begin() + 1, rec.tokens.end());
+    s.row0 = prompt.size() - 1;
+    s.which = which;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// teacher
+
+teacher_table teacher_table::compute(const lora_model& m, std::span<const backbone_sequence> seqs, std::size_t k, int threads) {
+  const auto V = static_cast<std::size_t>(m.base().config().vocab_size);
+  if (k == 0 || k > V) throw medusa::invalid_input("medusa2: teacher top-k " + std::to_string(k) + " is outside [1, V = " + std::to_string(V) + "]");
+  teacher_table t;
+  t.k_ = k;
+  t.first_.resize(seqs.size() + 1);
+  for (std::size_t i = 0; i < seqs.size(); ++i) t.first_[i + 1] = t.first_[i] + (seqs[i].tokens.size() > 0 ? seqs[i].tokens.size() - 1 : 0);
+  t.ids_.resize(t.first_.back() * k);
+  t.logits_.resize(t.first_.back() * k);
+  t.log_norm_.resize(t.first_.back());
+  medusa_llama::thread_pool pool(std::max(1, threads));
+  std::vector<sequence_state> states(static_cast<std::size_t>(pool.size()));
+  std::vector<std::vector<float>> z(states.size());
+  std::vector<std::vector<std::int32_t>> idx(states.size());
+  per_sequence(pool, seqs.size(), [&](std::size_t i, std::size_t tid) {
+    const std::size_t n = seqs[i].tokens.size();
+    if (n < 2) return;
+    auto& st = states[tid];
+    m.forward(seqs[i].tokens, st, {.train = false, .adapters = false});
+    z[tid].resize((n - 1) * V);
+    m.logits(st, 0, n - 1, z[tid].data());
+    for (std::size_t p = 0; p + 1 < n; ++p) {
+      const std::size_t row = t.first_[i] + p;
+      top_k(z[tid].data() + p * V, V, k, idx[tid], t.ids_.data() + row * k, t.logits_.data() + row * k);
+      t.log_norm_[row] = static_cast<float>(log_sum_exp(z[tid].data() + p * V, V));
+    }
+  });
+  return t;
+}
+
+backbone::teacher_row teacher_table::row(std::size_t seq, std::size_t pos) const {
+  const std::size_t r = first_[seq] + pos;
+  return {std::span<const std::int32_t>(ids_).subspan(r * k_, k_), std::span<const float>(logits_).subspan(r * k_, k_), log_norm_[r]};
+}
+
+void teacher_table::save(const std::filesystem::path& path) const {
+  const auto tmp = std::filesystem::path(path.string() + ".tmp");
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) throw medusa::io_error("cannot create " + tmp.string());
+  const std::uint64_t head[3] = {k_, first_.size() - 1, first_.back()};
+  bool ok = std::fwrite(teacher_magic, 1, 8, f) == 8 && std::fwrite(head, sizeof head, 1, f) == 1 &&
+            std::fwrite(ids_.data(), sizeof(std::int32_t), ids_.size(), f) == ids_.size() &&
+            std::fwrite(logits_.data(), sizeof(float), logits_.size(), f) == logits_.size() &&
+            std::fwrite(log_norm_.data(), sizeof(float), log_norm_.size(), f) == log_norm_.size();
+  ok = (std::fclose(f) == 0) && ok;
+  std::error_code ec;
+  if (!ok) {
+    std::filesystem::remove(tmp, ec);
+    throw medusa::io_error("cannot write " + tmp.string() + " (disk full?)");
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw medusa::io_error("cannot rename " + tmp.string() + ": " + ec.message());
+}
+
+std::optional<teacher_table> teacher_table::load(const std::filesystem::path& path, std::span<const backbone_sequence> seqs, std::size_t k) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return std::nullopt;
+  teacher_table t;
+  t.k_ = k;
+  t.first_.resize(seqs.size() + 1);
+  for (std::size_t i = 0; i < seqs.size(); ++i) t.first_[i + 1] = t.first_[i] + (seqs[i].tokens.size() > 0 ? seqs[i].tokens.size() - 1 : 0);
+  char magic[8];
+  std::uint64_t head[3];
+  const bool header = std::fread(magic, 1, 8, f) == 8 && std::fread(head, sizeof head, 1, f) == 1;
+  if (!header || std::memcmp(magic, teacher_magic, 8) != 0 || head[0] != k || head[1] != seqs.size() || head[2] != t.first_.back()) {
+    std::fclose(f);
+    return std::nullopt;
+  }
+  t.ids_.resize(t.first_.back() * k);
+  t.logits_.resize(t.ids_.size());
+  t.log_norm_.resize(t.first_.back());
+  const bool body = std::fread(t.ids_.data(), sizeof(std::int32_t), t.ids_.size(), f) == t.ids_.size() &&
+                    std::fread(t.logits_.data(), sizeof(float), t.logits_.size(), f) == t.logits_.size() &&
+                    std::fread(t.log_norm_.data(), sizeof(float), t.log_norm_.size(), f) == t.log_norm_.size();
+  std::fclose(f);
+  if (!body) throw medusa::io_error("teacher table " + path.string() + " is truncated");
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// joint training
+
+joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const backbone_sequence> seqs, const teacher_table& teacher,
+                       const joint_options& o) {
+  const auto t0 = clock_type::now();
+  const auto& cfg = lm.base().config();
+  const std::size_t d = static_cast<std::size_t>(cfg.dim), V = static_cast<std::size_t>(cfg.vocab_size), K = heads.shape().K;
+  if (!(o.heads_lr > 0) || !(o.backbone_lr > 0))
+    throw medusa::invalid_input("medusa2: learning rates must be positive");
+  if (!(o.backbone_lr < o.heads_lr))
+    throw medusa::invalid_input("medusa2: the backbone learning rate (" + std::to_string(o.backbone_lr) + ") must be below the heads' (" +
+                                std::to_string(o.heads_lr) + ")");
+  if (heads.shape().d != d || heads.shape().V != V)
+    throw medusa::invalid_input("medusa2: heads of d=" + std::to_string(heads.shape().d) + " V=" + std::to_string(heads.shape().V) +
+                                " do not fit the model (d=" + std::to_string(d) + " V=" + std::to_string(V) + ")");
+  if (o.batch_sequences == 0) throw medusa::invalid_input("medusa2: batch_sequences must be positive");
+  if (!(o.heads_coefficient >= 0)) throw medusa::invalid_input("medusa2: the heads' loss coefficient must be >= 0");
+  std::vector<std::size_t> order;
+  for (std::size_t i = 0; i < seqs.size(); ++i)
+    if (seqs[i].which == split::train && seqs[i].tokens.size() >= 2) order.push_back(i);
+  joint_result res;
+  res.train_sequences = order.size();
+  if (order.empty()) throw medusa::invalid_input("medusa2: no training sequence");
+  const std::size_t S = o.batch_sequences;
+  const std::size_t per_epoch = (order.size() + S - 1) / S;
+  res.planned_steps = std::max<std::size_t>(1, static_cast<std::size_t>(std::ceil(o.epochs * static_cast<double>(order.size()) / static_cast<double>(S))));
+  std::size_t total = o.max_steps > 0 ? std::min(res.planned_steps, o.max_steps) : res.planned_steps;
+
+  std::vector<float> hw(K);
+  for (std::size_t k = 0; k < K; ++k)
+    hw[k] = static_cast<float>(o.heads_coefficient * std::pow(static_cast<double>(o.decay), static_cast<double>(k)));
+  const std::size_t P = lm.params().size();
+  std::vector<float> m(P, 0.0f), v(P, 0.0f), g(P, 0.0f);
+  std::vector<std::vector<float>> gbuf(S, std::vector<float>(P));
+  std::vector<sequence_state> states(S);
+  std::vector<std::vector<float>> dh(S), z(S);
+  std::vector<double> seq_kl(S);
+  std::vector<float> X, dX;
+  std::vector<std::int32_t> targets;
+  medusa_llama::thread_pool pool(heads.threads());
+  auto pf = [&](std::size_t nb, const std::function<void(std::size_t)>& f) { heads.parallel_for(nb, f); };
+
+  std::uint64_t shuffle = o.seed ^ 0x3e5d05a2ull;
+  std::size_t pos_in_epoch = per_epoch;
+  std::size_t t_adam = 0;
+  double ema_w = 0, ema_kl = 0, ema_head = 0, ema_loss = 0;
+  std::vector<double> ema_top1(K, 0.0);
+  joint_progress pr;
+  pr.head_top1.assign(K, 0.0);
+  auto last_report = clock_type::now();
+  bool replanned = !o.deadline.has_value();
+  for (std::size_t step = 0; step < total; ++step) {
+    if (pos_in_epoch >= per_epoch) {
+      for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[below(shuffle, i)]);
+      pos_in_epoch = 0;
+    }
+    const std::size_t b0 = pos_in_epoch * S, nb = std::min(S, order.size() - b0);
+    ++pos_in_epoch;
+    std::size_t kl_rows = 0;
+    for (std::size_t i = 0; i < nb; ++i) kl_rows += seqs[order[b0 + i]].tokens.size() - 1;
+    const float kl_weight = 1.0f / static_cast<float>(kl_rows);
+
+    // A: forward with dropout, the KL term and its gradient at the classifier's input.
+    per_sequence(pool, nb, [&](std::size_t i, std::size_t) {
+      const auto& sq = seqs[order[b0 + i]];
+      const std::size_t n = sq.tokens.size();
+      auto& st = states[i];
+      lm.forward(sq.tokens, st, {.train = true, .adapters = true, .seed = mix(o.seed ^ mix(step * 1000003ull + i))});
+      z[i].resize((n - 1) * V);
+      lm.logits(st, 0, n - 1, z[i].data());
+      double kl = 0;
+      for (std::size_t p = 0; p + 1 < n; ++p) kl += backbone::kl_row(z[i].data() + p * V, V, teacher.row(order[b0 + i], p), kl_weight);
+      seq_kl[i] = kl;
+      dh[i].assign(n * d, 0.0f);
+      lm.classifier_backward(n - 1, z[i].data(), dh[i].data());
+    });
+
+    // B: the heads on every row with a head-0 target (t + 2 < n), all sequences in one batch.
+    std::size_t R = 0;
+    for (std::size_t i = 0; i < nb; ++i) {
+      const auto& sq = seqs[order[b0 + i]];
+      if (sq.tokens.size() > sq.row0 + 2) R += sq.tokens.size() - 2 - sq.row0;
+    }
+    X.resize(R * d);
+    dX.assign(R * d, 0.0f);
+    targets.resize(R * K);
+    for (std::size_t i = 0, r = 0; i < nb; ++i) {
+      const auto& sq = seqs[order[b0 + i]];
+      const std::size_t n = sq.tokens.size();
+      for (std::size_t t = sq.row0; t + 2 < n; ++t, ++r) {
+        std::copy_n(states[i].hidden.data() + t * d, d, X.data() + r * d);
+        for (std::size_t k = 0; k < K; ++k) targets[r * K + k] = t + k + 2 < n ? sq.tokens[t + k + 2] : ignore_index;
+      }
+    }
+    openblas_set_num_threads(heads.threads());
+    head_batch_stats hs;
+    if (R > 0) hs = heads.accumulate(X.data(), R, targets.data(), hw, dX.data());
+    else hs = heads.accumulate(X.data(), 0, targets.data(), hw, nullptr);
+    for (std::size_t i = 0, r = 0; i < nb; ++i) {
+      const auto& sq = seqs[order[b0 + i]];
+      for (std::size_t t = sq.row0; t + 2 < sq.tokens.size(); ++t, ++r)
+        for (std::size_t j = 0; j < d; ++j) dh[i][t * d + j] += dX[r * d + j];
+    }
+
+    // C: back through the backbone, each sequence into its own buffer; summed in a fixed order.
+    per_sequence(pool, nb, [&](std::size_t i, std::size_t) {
+      std::fill(gbuf[i].begin(), gbuf[i].end(), 0.0f);
+      lm.backward(states[i], dh[i].data(), gbuf[i].data());
+    });
+    constexpr std::size_t blk = 65536;
+    const std::size_t nblk = (P + blk - 1) / blk;
+    std::vector<double> part(nblk);
+    heads.parallel_for(nblk, [&](std::size_t c) {
+      double s = 0;
+      for (std::size_t j = c * blk, e = std::min(P, j + blk); j < e; ++j) {
+        float a = 0;
+        for (std::size_t i = 0; i < nb; ++i) a += gbuf[i][j];
+        g[j] = a;
+        s += static_cast<double>(a) * a;
+      }
+      part[c] = s;
+    });
+    double sqn = heads.grad_squared_norm();
+    for (double p : part) sqn += p;
+    const double norm = std::sqrt(sqn);
+    const double clip = o.opt.clip_norm > 0 && norm > o.opt.clip_norm ? o.opt.clip_norm / (norm + 1e-12) : 1.0;
+    optimizer_options sched = o.opt;
+    sched.lr = o.heads_lr;
+    const double lr_heads = learning_rate(sched, step, total);
+    const double lr_backbone = lr_heads * (o.backbone_lr / o.heads_lr);
+    heads.apply(lr_heads, o.opt, clip);
+    detail::adamw_update(lm.params(), g, m, v, ++t_adam, lr_backbone, o.opt, clip, pf);
+
+    double kl = 0;
+    for (std::size_t i = 0; i < nb; ++i) {
+      kl += seq_kl[i] / static_cast<double>(kl_rows);
+      res.positions_seen += seqs[order[b0 + i]].tokens.size();
+    }
+    double head_loss = 0;
+    for (std::size_t k = 0; k < K; ++k) head_loss += std::pow(static_cast<double>(o.decay), static_cast<double>(k)) * hs.head_loss[k];
+    res.steps = step + 1;
+    ema_w = 0.95 * ema_w + 0.05;
+    ema_kl = 0.95 * ema_kl + 0.05 * kl;
+    ema_head = 0.95 * ema_head + 0.05 * head_loss;
+    ema_loss = 0.95 * ema_loss + 0.05 * (kl + o.heads_coefficient * head_loss);
+    for (std::size_t k = 0; k < K; ++k)
+      ema_top1[k] = 0.95 * ema_top1[k] + 0.05 * (hs.counted[k] ? static_cast<double>(hs.top1[k]) / static_cast<double>(hs.counted[k]) : 0.0);
+    const double elapsed = seconds_since(t0);
+    if (o.deadline) {
+      const double left = std::chrono::duration<double>(*o.deadline - clock_type::now()).count() - o.reserve_seconds;
+      const double per_step = elapsed / static_cast<double>(step + 1);
+      if (!replanned && (step + 1 >= 4 || elapsed > 10.0)) {  // re-plan the cosine once the speed is known
+        replanned = true;
+        const auto fit_steps = step + 1 + static_cast<std::size_t>(std::max(0.0, left / per_step));
+        if (fit_steps < total) {
+          total = std::max(step + 2, fit_steps);
+          res.budget_limited = true;
+        }
+      }
+      if (left <= 0 && step + 1 < total) {
+        res.budget_limited = true;
+        total = step + 1;
+      }
+    }
+    const bool last = step + 1 == total;
+    if (o.on_progress && (last || seconds_since(last_report) >= o.progress_interval)) {
+      last_report = clock_type::now();
+      pr.step = step + 1;
+      pr.total_steps = total;
+      pr.loss = ema_loss / ema_w;
+      pr.kl = ema_kl / ema_w;
+      pr.head_loss = ema_head / ema_w;
+      for (std::size_t k = 0; k < K; ++k) pr.head_top1[k] = ema_top1[k] / ema_w;
+      pr.lr = lr_heads;
+      pr.elapsed = elapsed;
+      pr.positions_per_second = static_cast<double>(res.positions_seen) / std::max(1e-9, elapsed);
+      pr.eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
+      o.on_progress(pr);
+    }
+  }
+  openblas_set_num_threads(heads.threads());
+  res.seconds = seconds_since(t0);
+  res.final_kl = ema_w > 0 ? ema_kl / ema_w : 0;
+  res.final_head_loss = ema_w > 0 ? ema_head / ema_w : 0;
+  return res;
+}
+
+// ---------------------------------------------------------------------------------------------
+// quality
+
+adapted_quality measure_quality(const lora_model& lm, std::span<const backbone_sequence> seqs, std::span<const std::vector<std::int32_t>> texts,
+                                int threads) {
+  const auto V = static_cast<std::size_t>(lm.base().config().vocab_size);
+  medusa_llama::thread_pool pool(std::max(1, threads));
+  const std::size_t T = static_cast<std::size_t>(pool.size());
+  struct part {
+    std::uint64_t positions = 0, agree = 0, text_tokens = 0;
+    double kl = 0, nll_orig = 0, nll_adapted = 0;
+  };
+  std::vector<std::size_t> eval;
+  for (std::size_t i = 0; i < seqs.size(); ++i)
+    if (seqs[i].which == split::eval && seqs[i].tokens.size() >= 2) eval.push_back(i);
+  // Per item (not per thread) so that the sums do not depend on scheduling.
+  std::vector<part> parts(eval.size() + texts.size());
+  std::vector<sequence_state> sa(T), so(T);
+  std::vector<std::vector<float>> za(T), zo(T);
+  per_sequence(pool, parts.size(), [&](std::size_t i, std::size_t tid) {
+    const bool is_text = i >= eval.size();
+    std::span<const std::int32_t> toks = is_text ? std::span<const std::int32_t>(texts[i - eval.size()]) : std::span<const std::int32_t>(seqs[eval[i]].tokens);
+    const std::size_t n = toks.size();
+    if (n < 2) return;
+    lm.forward(toks, sa[tid], {.train = false, .adapters = true});
+    lm.forward(toks, so[tid], {.train = false, .adapters = false});
+    za[tid].resize((n - 1) * V);
+    zo[tid].resize((n - 1) * V);
+    lm.logits(sa[tid], 0, n - 1, za[tid].data());
+    lm.logits(so[tid], 0, n - 1, zo[tid].data());
+    part& p = parts[i];
+    for (std::size_t t = 0; t + 1 < n; ++t) {
+      const float* a = za[tid].data() + t * V;
+      const float* b = zo[tid].data() + t * V;
+      const double la = log_sum_exp(a, V), lb = log_sum_exp(b, V);
+      if (is_text) {
+        const auto y = static_cast<std::size_t>(toks[t + 1]);
+        p.nll_adapted += la - a[y];
+        p.nll_orig += lb - b[y];
+        ++p.text_tokens;
+      } else {
+        double kl = 0;
+        for (std::size_t v = 0; v < V; ++v) {
+          const double lpb = b[v] - lb;
+          kl += std::exp(lpb) * (lpb - (a[v] - la));
+        }
+        p.kl += kl;
+        p.agree += argmax_row(a, V) == argmax_row(b, V);
+        ++p.positions;
+      }
+    }
+  });
+  openblas_set_num_threads(static_cast<int>(T));
+  adapted_quality q;
+  part sum;
+  for (const auto& p : parts) {
+    sum.positions += p.positions;
+    sum.agree += p.agree;
+    sum.kl += p.kl;
+    sum.text_tokens += p.text_tokens;
+    sum.nll_orig += p.nll_orig;
+    sum.nll_adapted += p.nll_adapted;
+  }
+  q.positions = sum.positions;
+  q.agreement = sum.positions ? static_cast<double>(sum.agree) / static_cast<double>(sum.positions) : 0;
+  q.mean_kl = sum.positions ? sum.kl / static_cast<double>(sum.positions) : 0;
+  q.text_tokens = sum.text_tokens;
+  if (sum.text_tokens) {
+    q.perplexity_original = std::exp(sum.nll_orig / static_cast<double>(sum.text_tokens));
+    q.perplexity_adapted = std::exp(sum.nll_adapted / static_cast<double>(sum.text_tokens));
+  }
+  return q;
+}
+
+}  // namespace medusa_train
