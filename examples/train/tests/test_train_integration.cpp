@@ -16,6 +16,7 @@
 
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -83,5 +84,55 @@ TEST_CASE("pycode-15m: train with a small budget, reload, decode losslessly") {
     }
     MESSAGE("tokens per step: " << toks / steps);
     CHECK(toks / steps > 1.0);
+  }
+}
+
+TEST_CASE("pycode-15m Medusa-2: train with a small budget, reload the merged model and heads, decode losslessly") {
+  const fs::path model_dir = fs::path(MEDUSA_SHARED_DIR) / "models" / "pycode-15m";
+  const fs::path corpus = "/usr/lib/python3.11";
+  if (!fs::exists(model_dir / "model.bin") || !fs::exists(model_dir / "tokenizer.bin") || !fs::is_directory(corpus)) {
+    MESSAGE("skipped: " << (model_dir / "model.bin").string() << " or " << corpus.string() << " is absent");
+    return;
+  }
+  const fs::path out = fs::path(MEDUSA_TEST_TMPDIR) / "train_integration_medusa2";
+  std::error_code ec;
+  fs::remove_all(out, ec);
+  medusa_train::run_options o;
+  o.what = medusa_train::recipe::medusa2;
+  o.model = model_dir / "model.bin";
+  o.corpus = corpus;
+  o.out = out;
+  o.tokens = 3000;
+  o.gen_len = 128;
+  o.epochs = 1;
+  o.joint_epochs = 1;
+  o.threads = 2;
+  o.seed = 1;
+  o.budget_seconds = 90;
+  const auto r = medusa_train::run_training(o, {});
+  CHECK(r.joint.steps > 0);
+  CHECK(r.quality.positions > 0);
+  CHECK(r.quality.agreement > 0.95);  // a short run stays close to the original
+  CHECK(std::fabs(r.quality.perplexity_adapted / r.quality.perplexity_original - 1) < 0.03);
+  MESSAGE("agreement " << r.quality.agreement << ", KL " << r.quality.mean_kl << ", perplexity " << r.quality.perplexity_adapted << " vs "
+                       << r.quality.perplexity_original);
+
+  medusa::head_load_options lo;
+  lo.hidden_size = 384;
+  lo.vocab_size = 2048;
+  auto loaded = medusa::load_heads(out, lo);
+  medusa_llama::engine m(medusa_llama::model::load_llama2c(out / "model" / "model.bin"), {.threads = 2});
+  medusa_llama::packed_heads runner(m, loaded.heads.view());
+  medusa_llama::llama2c_tokenizer tok(out / "model" / "tokenizer.bin", 2048, false);
+  medusa::decode_options dopt;
+  dopt.max_new_tokens = 64;
+  dopt.eos_token = tok.eos_id();
+  for (const char* text : {"import os\nimport sys\n\n\ndef main():\n", "def parse_args(argv):\n    \"\"\"Parse the command line.\"\"\"\n"}) {
+    const auto ids = tok.encode(text, true, false);
+    const std::vector<std::int32_t> prompt(ids.begin(), ids.end());
+    const auto plain = medusa::generate_vanilla(m, prompt, medusa::greedy_policy{}, dopt);
+    medusa::decoder dec(m, runner, medusa::tree::from_paths({{0}, {1}, {0, 0}, {0, 0, 0}, {0, 0, 0, 0}}), medusa::greedy_policy{});
+    const auto res = dec.generate(prompt, dopt);
+    CHECK(res.tokens == plain.tokens);
   }
 }
