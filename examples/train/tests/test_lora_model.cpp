@@ -190,3 +190,65 @@ TEST_CASE("bad LoRA settings are refused with a message naming them") {
   std::vector<float> g(lm.params().size()), dh(2 * 32);
   CHECK_THROWS_AS(lm.backward(st, dh.data(), g.data()), medusa::invalid_input);
 }
+
+TEST_CASE("the self-distillation loss through the classifier and the stack matches finite differences") {
+  const auto m = medusa_llama::model::random(tiny_config(medusa_llama::rope_style::split_halves, false), 15, 0.3f);
+  lora_model lm(m, {.rank = 4, .alpha = 8, .dropout = 0.0}, 6);
+  randomize_b(lm, 0.2f, 11);
+  const auto tokens = random_tokens(13, 53, 8);
+  const std::size_t n = tokens.size(), d = 32, V = 53, k = 5;
+  // A teacher: top-5 of another random row per position, with its normaliser.
+  std::mt19937 rng(4);
+  std::uniform_real_distribution<float> u(-3, 3);
+  std::vector<std::int32_t> ids((n - 1) * k);
+  std::vector<float> tl((n - 1) * k), lnorm(n - 1);
+  for (std::size_t p = 0; p + 1 < n; ++p) {
+    std::vector<float> row(V);
+    for (float& x : row) x = u(rng);
+    double s = 0;
+    for (float x : row) s += std::exp(static_cast<double>(x));
+    lnorm[p] = static_cast<float>(std::log(s));
+    for (std::size_t i = 0; i < k; ++i) {
+      ids[p * k + i] = static_cast<std::int32_t>((p * 7 + i * 11) % V);
+      tl[p * k + i] = row[static_cast<std::size_t>(ids[p * k + i])];
+    }
+  }
+  auto teacher = [&](std::size_t p) {
+    return backbone::teacher_row{std::span<const std::int32_t>(ids).subspan(p * k, k), std::span<const float>(tl).subspan(p * k, k), lnorm[p]};
+  };
+  auto loss_and_grad = [&](std::vector<float>* grads) {
+    sequence_state st;
+    lm.forward(tokens, st, {.train = true});
+    std::vector<float> z((n - 1) * V);
+    lm.logits(st, 0, n - 1, z.data());
+    double kl = 0;
+    for (std::size_t p = 0; p + 1 < n; ++p) kl += backbone::kl_row(z.data() + p * V, V, teacher(p), 1.0f);
+    if (grads) {
+      std::vector<float> dh(n * d, 0.0f);
+      lm.classifier_backward(n - 1, z.data(), dh.data());
+      lm.backward(st, dh.data(), grads->data());
+    }
+    return kl;
+  };
+  std::vector<float> grads(lm.params().size(), 0.0f);
+  loss_and_grad(&grads);
+  int checked = 0;
+  for (int p = 0; p < static_cast<int>(projections_per_layer); ++p) {
+    const auto ll = lm.adapter(1, static_cast<projection>(p));
+    const std::size_t b0 = lm.offset(1, static_cast<projection>(p)) + ll.rank * ll.in, b1 = b0 + ll.rank * ll.out;
+    std::size_t best = b0;
+    for (std::size_t i = b0; i < b1; ++i)
+      if (std::fabs(grads[i]) > std::fabs(grads[best])) best = i;
+    const float keep = lm.params()[best], h = 1e-2f;
+    lm.params()[best] = keep + h;
+    const double up = loss_and_grad(nullptr);
+    lm.params()[best] = keep - h;
+    const double down = loss_and_grad(nullptr);
+    lm.params()[best] = keep;
+    const double numeric = (up - down) / (2.0 * h);
+    INFO(module_name(static_cast<projection>(p)) << " B: numeric " << numeric << " analytic " << grads[best]);
+    CHECK(std::fabs(numeric - grads[best]) <= 2e-2 * std::max(1e-3, std::fabs(numeric)));
+    ++checked;
+  }
+  CHECK(checked == 7);
+}
