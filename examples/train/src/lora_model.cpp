@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <medusa_train/lora_model.hpp>
 
+#include "common.hpp"
+
 #include <medusa/error.hpp>
 
 #include <algorithm>
@@ -14,14 +16,8 @@ constexpr std::array<projection, projections_per_layer> all_projections{projecti
                                                                         projection::o,    projection::gate, projection::up,
                                                                         projection::down};
 
-std::uint64_t mix(std::uint64_t z) noexcept {  // splitmix64 finaliser
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// Uniform in [0, 1) from a 64-bit hash (53 bits).
-double unit(std::uint64_t h) noexcept { return static_cast<double>(h >> 11) * 0x1.0p-53; }
+using detail::mix;
+using detail::unit;
 
 struct dims {
   std::size_t in, out;

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <medusa_train/medusa2.hpp>
 
+#include "common.hpp"
+
 #include <medusa_llama/thread_pool.hpp>
 
 #include <medusa/error.hpp>
@@ -17,20 +19,14 @@ namespace medusa_train {
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
-double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
+using detail::clock_type;
+using detail::mix;
+using detail::seconds_since;
 
-std::uint64_t mix(std::uint64_t z) noexcept {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// Uniform index below n from a splitmix stream (n is far below 2^32 here: bias < 2^-32).
+// Uniform index below n from a splitmix stream.
 std::size_t below(std::uint64_t& s, std::size_t n) {
   s = mix(s);
-  return static_cast<std::size_t>((s >> 32) * static_cast<std::uint64_t>(n) >> 32);
+  return static_cast<std::size_t>(detail::below(s, n));
 }
 
 // Runs body(i, tid) for i < n on `pool`, one index per chunk (BLAS single-threaded meanwhile: the
@@ -232,7 +228,7 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
   joint_progress pr;
   pr.head_top1.assign(K, 0.0);
   auto last_report = clock_type::now();
-  bool replanned = !o.deadline.has_value();
+  detail::deadline_plan budget{o.deadline, o.reserve_seconds, 4, 10.0};
   for (std::size_t step = 0; step < total; ++step) {
     if (pos_in_epoch >= per_epoch) {
       for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[below(shuffle, i)]);
@@ -330,22 +326,7 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
     for (std::size_t k = 0; k < K; ++k)
       ema_top1[k] = 0.95 * ema_top1[k] + 0.05 * (hs.counted[k] ? static_cast<double>(hs.top1[k]) / static_cast<double>(hs.counted[k]) : 0.0);
     const double elapsed = seconds_since(t0);
-    if (o.deadline) {
-      const double left = std::chrono::duration<double>(*o.deadline - clock_type::now()).count() - o.reserve_seconds;
-      const double per_step = elapsed / static_cast<double>(step + 1);
-      if (!replanned && (step + 1 >= 4 || elapsed > 10.0)) {  // re-plan the cosine once the speed is known
-        replanned = true;
-        const auto fit_steps = step + 1 + static_cast<std::size_t>(std::max(0.0, left / per_step));
-        if (fit_steps < total) {
-          total = std::max(step + 2, fit_steps);
-          res.budget_limited = true;
-        }
-      }
-      if (left <= 0 && step + 1 < total) {
-        res.budget_limited = true;
-        total = step + 1;
-      }
-    }
+    if (budget.update(step, elapsed, total)) res.budget_limited = true;
     const bool last = step + 1 == total;
     if (o.on_progress && (last || seconds_since(last_report) >= o.progress_interval)) {
       last_report = clock_type::now();

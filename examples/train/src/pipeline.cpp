@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <medusa_train/pipeline.hpp>
 
+#include "common.hpp"
+
 #include <medusa_llama/load.hpp>
 
 #include <medusa/decoder.hpp>
@@ -25,8 +27,8 @@ namespace medusa_train {
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
-double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
+using detail::clock_type;
+using detail::seconds_since;
 
 std::string json_str(const std::string& s) {
   std::string o = "\"";
@@ -165,6 +167,28 @@ void copy_beside(const std::filesystem::path& from_dir, const std::filesystem::p
     }
 }
 
+// The self-distillation settings of a run (the caller sets the budget and callbacks).
+distill_options distill_options_of(const run_options& o) {
+  distill_options d;
+  d.tokens = o.tokens;
+  d.eval_fraction = o.eval_fraction;
+  d.prompt_min = o.prompt_min;
+  d.prompt_max = o.prompt_max;
+  d.gen_len = o.gen_len;
+  d.temperature = o.temperature;
+  d.seed = o.seed;
+  d.draft = o.draft;
+  return d;
+}
+
+// The engine that generates self-distillation data (verifies `draft` tokens at once).
+medusa_llama::engine_options generation_engine(int threads, int draft) {
+  medusa_llama::engine_options eo;
+  eo.threads = threads;
+  eo.max_batch = std::max(64, draft + 1);
+  return eo;
+}
+
 }  // namespace
 
 std::filesystem::path resolve_tokenizer(const run_options& o) {
@@ -274,19 +298,8 @@ run_report run_training(const run_options& o, const run_events& ev) {
     log("cache hit: " + rep.cache_file.string());
   } else {
     log("generating " + std::to_string(o.tokens) + " positions of self-distillation data -> " + rep.cache_file.string());
-    medusa_llama::engine_options eo;
-    eo.threads = threads;
-    eo.max_batch = std::max(64, o.draft + 1);
-    medusa_llama::engine e(m, eo);
-    distill_options dopt;
-    dopt.tokens = o.tokens;
-    dopt.eval_fraction = o.eval_fraction;
-    dopt.prompt_min = o.prompt_min;
-    dopt.prompt_max = o.prompt_max;
-    dopt.gen_len = o.gen_len;
-    dopt.temperature = o.temperature;
-    dopt.seed = o.seed;
-    dopt.draft = o.draft;
+    medusa_llama::engine e(m, generation_engine(threads, o.draft));
+    auto dopt = distill_options_of(o);
     if (deadline) dopt.deadline = t_start + (*deadline - t_start) * 6 / 10;  // leave most of the rest for training
     dopt.on_progress = ev.on_distill;
     distill_cache_writer w(rep.cache_file, static_cast<std::size_t>(cfg.dim), static_cast<std::size_t>(cfg.vocab_size), o.cache_dtype,
@@ -436,19 +449,10 @@ run_report run_training(const run_options& o, const run_events& ev) {
     // itself (its own continuations of the held-out prompts).
     const auto eval_file = work / "adapted-eval.bin";
     {
-      medusa_llama::engine_options eo;
-      eo.threads = threads;
-      eo.max_batch = std::max(64, o.draft + 1);
-      medusa_llama::engine e(final_model, eo);
-      distill_options dopt;
+      medusa_llama::engine e(final_model, generation_engine(threads, o.draft));
+      auto dopt = distill_options_of(o);
       dopt.tokens = std::max<std::uint64_t>(eval_rows, 16);
-      dopt.eval_fraction = 1.0;
-      dopt.prompt_min = o.prompt_min;
-      dopt.prompt_max = o.prompt_max;
-      dopt.gen_len = o.gen_len;
-      dopt.temperature = o.temperature;
-      dopt.seed = o.seed;
-      dopt.draft = o.draft;
+      dopt.eval_fraction = 1.0;  // held-out prompts only, from the first one, as the original data's
       distill_cache_writer w(eval_file, static_cast<std::size_t>(cfg.dim), static_cast<std::size_t>(cfg.vocab_size), o.cache_dtype, 0);
       generate_distill(e, *tok, prompts, dopt, w);
       w.finish();

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <medusa_train/selfdistill.hpp>
 
+#include "common.hpp"
+
 #include <medusa/acceptance.hpp>
 #include <medusa/candidates.hpp>
 #include <medusa/decoder.hpp>
@@ -17,18 +19,10 @@ namespace medusa_train {
 
 namespace {
 
-__extension__ typedef unsigned __int128 u128;  // 64x64 -> 128-bit product for unbiased ranges
-
-using clock_type = std::chrono::steady_clock;
-double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
-
-std::uint64_t mix(std::uint64_t z) noexcept {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-std::uint64_t below(std::uint64_t r, std::uint64_t n) noexcept { return static_cast<std::uint64_t>((static_cast<u128>(r) * n) >> 64); }
+using detail::below;
+using detail::clock_type;
+using detail::mix;
+using detail::seconds_since;
 
 const std::set<std::string>& text_extensions() {
   static const std::set<std::string> e = {".py", ".pyi", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".hpp", ".cxx",

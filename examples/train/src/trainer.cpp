@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <medusa_train/trainer.hpp>
 
+#include "common.hpp"
+
 #include <medusa_llama/thread_pool.hpp>
 
 #include <algorithm>
@@ -13,24 +15,19 @@ namespace medusa_train {
 
 namespace {
 
-__extension__ typedef unsigned __int128 u128;  // 64x64 -> 128-bit product for unbiased ranges
-
-// splitmix64: a portable generator (std distributions differ between standard libraries).
+// A splitmix64 stream.
 struct rng64 {
   std::uint64_t s;
   std::uint64_t next() noexcept {
-    std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+    const std::uint64_t r = detail::mix(s);
+    s += 0x9e3779b97f4a7c15ull;
+    return r;
   }
-  std::uint64_t below(std::uint64_t n) noexcept {  // uniform in [0, n), n > 0 (bias < 2^-40)
-    return static_cast<std::uint64_t>((static_cast<u128>(next()) * n) >> 64);
-  }
+  std::uint64_t below(std::uint64_t n) noexcept { return detail::below(next(), n); }  // uniform in [0, n), n > 0
 };
 
-using clock_type = std::chrono::steady_clock;
-double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
+using detail::clock_type;
+using detail::seconds_since;
 
 float* arena_begin(medusa::head_weights& w) {
   return reinterpret_cast<float*>(w.num_layers() > 0 ? w.resblock_weight_bytes(0, 0).data() : w.projection_bytes(0).data());
@@ -245,7 +242,7 @@ fit_result fit(head_trainer& t, const distill_cache& data, const fit_options& op
   double ema_loss = 0, ema_w = 0;
   std::vector<double> ema_top1(K, 0.0);
   auto last_report = clock_type::now();
-  bool replanned = !opt.deadline.has_value();
+  detail::deadline_plan budget{opt.deadline, opt.reserve_seconds, 8, 3.0};
   for (std::size_t step = 0; step < total; ++step) {
     if (pos_in_epoch >= per_epoch) {  // new epoch: Fisher-Yates with the portable generator
       for (std::size_t i = rows.size(); i > 1; --i) std::swap(rows[i - 1], rows[rng.below(i)]);
@@ -264,23 +261,7 @@ fit_result fit(head_trainer& t, const distill_cache& data, const fit_options& op
     for (std::size_t k = 0; k < K; ++k)
       ema_top1[k] = 0.95 * ema_top1[k] + 0.05 * (st.counted[k] ? static_cast<double>(st.top1[k]) / static_cast<double>(st.counted[k]) : 0.0);
     const double elapsed = seconds_since(t0);
-    if (opt.deadline) {
-      const double left = std::chrono::duration<double>(*opt.deadline - clock_type::now()).count() - opt.reserve_seconds;
-      const double per_step = elapsed / static_cast<double>(step + 1);
-      // Re-plan the cosine once the speed is known, so the schedule anneals before the deadline.
-      if (!replanned && (step + 1 >= 8 || elapsed > 3.0)) {
-        replanned = true;
-        const auto fit_steps = step + 1 + static_cast<std::size_t>(std::max(0.0, left / per_step));
-        if (fit_steps < total) {
-          total = std::max(step + 2, fit_steps);
-          res.budget_limited = true;
-        }
-      }
-      if (left <= 0 && step + 1 < total) {
-        res.budget_limited = true;
-        total = step + 1;
-      }
-    }
+    if (budget.update(step, elapsed, total)) res.budget_limited = true;
     const bool last = step + 1 == total;
     if (opt.on_progress && (last || seconds_since(last_report) >= opt.progress_interval)) {
       last_report = clock_type::now();
