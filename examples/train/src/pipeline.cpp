@@ -77,6 +77,9 @@ class output_dir {
     auto o = std::filesystem::absolute(out).lexically_normal();
     if (o.filename().empty()) o = o.parent_path();
     final_ = o;
+    std::error_code ec0;
+    if (std::filesystem::exists(o, ec0) && !std::filesystem::is_directory(o, ec0))
+      throw medusa::invalid_input("train: --out " + o.string() + " exists and is not a directory");
     work_ = o.parent_path() / ("." + o.filename().string() + ".tmp-" + std::to_string(::getpid()));
     std::error_code ec;
     std::filesystem::remove_all(work_, ec);

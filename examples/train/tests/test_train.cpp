@@ -423,6 +423,10 @@ TEST_CASE("bad options are typed errors") {
   o.prompts = dir / "prompts.txt";
   std::ofstream(o.prompts) << "\n   \n";
   CHECK_THROWS_AS((void)medusa_train::run_training(o, {}), medusa::invalid_input);
+  o = tiny_options(a, dir / "a-file");
+  std::ofstream(o.out) << "not a directory";
+  CHECK_THROWS_WITH_AS((void)medusa_train::run_training(o, {}), doctest::Contains("exists and is not a directory"), medusa::invalid_input);
+  CHECK(slurp(o.out) == "not a directory");
   const head_shape s{4, 5, 1, 0};
   std::vector<float> lm(20, 0.0f), x(4, 1.0f), w{1.0f};
   medusa_train::head_trainer t(s, lm.data(), 0, 1);
