@@ -144,8 +144,15 @@ int main(int argc, char** argv) {
       };
     }
     const auto r = medusa_train::run_training(o, ev);
-    st.line(fmt::format("trained {} steps ({} positions seen, {} available) in {:.1f} s{}", r.fit.steps, r.fit.positions_seen,
-                        r.fit.train_positions, r.fit.seconds, r.fit.budget_limited ? " (shortened by the budget)" : ""));
+    if (r.fit.steps > 0 || o.init_heads.empty())
+      st.line(fmt::format("{}trained {} steps ({} positions seen, {} available) in {:.1f} s{}",
+                          o.what == medusa_train::recipe::medusa2 ? "heads only: " : "", r.fit.steps, r.fit.positions_seen,
+                          r.fit.train_positions, r.fit.seconds, r.fit.budget_limited ? " (shortened by the budget)" : ""));
+    else
+      st.line("heads only: skipped (the heads of --init-heads)");
+    if (o.what == medusa_train::recipe::medusa2)
+      st.line(fmt::format("joint: {} steps ({} positions seen) in {:.1f} s{}", r.joint.steps, r.joint.positions_seen, r.joint.seconds,
+                          r.joint.budget_limited ? " (shortened by the budget)" : ""));
     st.line(fmt::format("held-out: {} sequences, {} positions; base lm_head agreement {:.1f}%", r.cal.sequences,
                         r.cal.positions.empty() ? 0 : r.cal.positions[0],
                         r.cal.base_positions ? 100.0 * static_cast<double>(r.cal.base_hits) / static_cast<double>(r.cal.base_positions) : 0.0));

@@ -365,8 +365,9 @@ run_report run_training(const run_options& o, const run_events& ev) {
 
   // ---- Medusa-2: the heads and a LoRA-adapted backbone together ---------------------------------
   medusa_llama::model final_model = m;
+  std::vector<backbone_sequence> seqs;
   if (m2) {
-    const auto seqs = cache_sequences(data, prompts, *tok, o.seed, o.prompt_min, o.prompt_max);
+    seqs = cache_sequences(data, prompts, *tok, o.seed, o.prompt_min, o.prompt_max);
     lora_model lm(m, o.lora, o.seed ^ 0x10a0a0ull);
     const auto teacher_file = cache_dir / ("teacher-" + rep.key.hex() + (rep.cache_file.string().find(".partial") != std::string::npos ? ".partial" : "") +
                                            "-k" + std::to_string(o.teacher_topk) + ".bin");
@@ -465,6 +466,47 @@ run_report run_training(const run_options& o, const run_events& ev) {
       rep.cal = evaluate(trainer, adapted, split::eval, 10, final_model.classifier());
     }
     std::filesystem::remove(eval_file, ec);
+    // For comparison, the heads on the original model's held-out continuations (what they trained
+    // on), read through the merged model: the gap between the two is the distribution shift.
+    const auto forced_file = work / "forced-eval.bin";
+    {
+      medusa_llama::engine_options eo;
+      eo.threads = threads;
+      eo.max_batch = cfg.seq_len;
+      medusa_llama::engine e(final_model, eo);
+      distill_cache_writer w(forced_file, static_cast<std::size_t>(cfg.dim), static_cast<std::size_t>(cfg.vocab_size), o.cache_dtype, 0);
+      const auto d = static_cast<std::size_t>(cfg.dim);
+      std::vector<float> hidden;
+      std::vector<int> toks, pos;
+      for (const auto& sq : seqs) {
+        if (sq.which != split::eval) continue;
+        const std::size_t n = sq.tokens.size();
+        toks.assign(sq.tokens.begin(), sq.tokens.end());
+        pos.resize(n);
+        for (std::size_t i = 0; i < n; ++i) pos[i] = static_cast<int>(i);
+        hidden.resize(n * d);
+        medusa::forward_batch fb;
+        fb.tokens = toks;
+        fb.positions = pos;
+        fb.cache_length = 0;
+        fb.hidden = hidden;
+        e.forward(fb);
+        w.add(std::span<const std::int32_t>(sq.tokens).subspan(sq.row0), std::span<const float>(hidden).subspan(sq.row0 * d), split::eval,
+              static_cast<std::uint32_t>(sq.row0 + 1));
+      }
+      w.finish();
+    }
+    {
+      const auto forced = distill_cache::open(forced_file);
+      rep.cal_original_text = evaluate(trainer, forced, split::eval, 10, final_model.classifier());
+    }
+    std::filesystem::remove(forced_file, ec);
+    std::string a, b;
+    for (std::size_t k = 0; k < rep.cal.num_heads; ++k) {
+      a += fmt(k ? " / %.1f" : "%.1f", 100 * rep.cal.top(k, 1));
+      b += fmt(k ? " / %.1f" : "%.1f", 100 * rep.cal_original_text.top(k, 1));
+    }
+    log("heads, held-out top-1 %: " + a + " on the merged model's own continuations, " + b + " on the original's (teacher-forced)");
   }
   rep.eval_seconds = seconds_since(t_eval);
   medusa::head_save_options so;
@@ -552,7 +594,11 @@ run_report run_training(const run_options& o, const run_events& ev) {
             fmt("%.1f", rep.fit.seconds) + ",\n    \"agreement\": " + fmt("%.5f", q.agreement) + ", \"mean_kl\": " + fmt("%.6f", q.mean_kl) +
             ", \"positions\": " + std::to_string(q.positions) + ", \"perplexity_original\": " + fmt("%.4f", q.perplexity_original) +
             ", \"perplexity_adapted\": " + fmt("%.4f", q.perplexity_adapted) + ", \"perplexity_tokens\": " + std::to_string(q.text_tokens) +
-            ",\n    \"model\": " + json_str(rep.model_file.string()) + ", \"adapter\": " + json_str(rep.adapter_dir.string()) + "}";
+            ",\n    \"top1_on_original_continuations\": [" + [&] {
+              std::string t;
+              for (std::size_t k = 0; k < rep.cal_original_text.num_heads; ++k) t += (k ? ", " : "") + fmt("%.4f", rep.cal_original_text.top(k, 1));
+              return t;
+            }() + "]" + ",\n    \"model\": " + json_str(rep.model_file.string()) + ", \"adapter\": " + json_str(rep.adapter_dir.string()) + "}";
   }
   if (!rep.acceptance.empty()) {
     meta += ",\n  \"acceptance\": [";

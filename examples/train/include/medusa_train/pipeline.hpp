@@ -104,6 +104,7 @@ struct run_report {
   // Medusa-2:
   joint_result joint;                  //!< the joint stage
   adapted_quality quality;             //!< the adapted model against the original (held out)
+  calibration cal_original_text;       //!< the heads on the original model's held-out continuations (`cal`: on the merged model's own)
   std::filesystem::path model_file;    //!< the merged model (OUT/model/…)
   std::filesystem::path adapter_dir;   //!< the PEFT adapter (OUT/adapter)
   double eval_seconds = 0;             //!< evaluation time
