@@ -420,18 +420,6 @@ model model::load_hf(const std::filesystem::path& dir) {
 
 namespace {
 
-// Rows of `heads` heads of `head_dim` rows (`cols` wide each), every head reordered from RoPE on
-// adjacent pairs (rows 2i, 2i+1) to RoPE on halves (rows i, i + head_dim/2).
-std::vector<float> adjacent_to_halves(const float* w, std::size_t heads, std::size_t head_dim, std::size_t cols) {
-  std::vector<float> out(heads * head_dim * cols);
-  const std::size_t half = head_dim / 2;
-  for (std::size_t hd = 0; hd < heads; ++hd)
-    for (std::size_t i = 0; i < half; ++i)
-      for (std::size_t e = 0; e < 2; ++e)
-        std::copy_n(w + (hd * head_dim + 2 * i + e) * cols, cols, out.data() + (hd * head_dim + e * half + i) * cols);
-  return out;
-}
-
 // `f` as the double of its shortest decimal when that reads back as `f` (config.json then says
 // 1e-05, not 9.999999747378752e-06), else exactly.
 double float_for_json(float f) {
@@ -449,6 +437,16 @@ std::string without_prefix(const char* what) {
 }
 
 }  // namespace
+
+std::vector<float> adjacent_to_halves(const float* w, std::size_t heads, std::size_t head_dim, std::size_t cols) {
+  std::vector<float> out(heads * head_dim * cols);
+  const std::size_t half = head_dim / 2;
+  for (std::size_t hd = 0; hd < heads; ++hd)
+    for (std::size_t i = 0; i < half; ++i)
+      for (std::size_t e = 0; e < 2; ++e)
+        std::copy_n(w + (hd * head_dim + 2 * i + e) * cols, cols, out.data() + (hd * head_dim + e * half + i) * cols);
+  return out;
+}
 
 void model::save_hf(const std::filesystem::path& dir) const {
   const auto& c = config_;

@@ -1,12 +1,23 @@
 // SPDX-License-Identifier: Apache-2.0
 // Internals shared by the trainer's sources: the clock, a portable splitmix64 generator (std
-// distributions differ between standard libraries) and the wall-clock budget of a training loop.
+// distributions differ between standard libraries), whole-file reads, and what a training loop
+// keeps besides its parameters (the wall-clock budget, the averages its progress line shows).
 #pragma once
 
+#include <medusa_train/trainer.hpp>
+
+#include <medusa/error.hpp>
+
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
 
 namespace medusa_train::detail {
 
@@ -59,6 +70,56 @@ struct deadline_plan {
       cut = true;
     }
     return cut;
+  }
+};
+
+//! The whole file; throws `medusa::io_error` when it cannot be read.
+inline std::string read_file(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) throw medusa::io_error("cannot read " + p.string());
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+//! A bias-corrected exponential moving average (weight 0.05 per step), for progress lines.
+class moving_average {
+ public:
+  void add(double x) noexcept {
+    sum_ = 0.95 * sum_ + 0.05 * x;
+    weight_ = 0.95 * weight_ + 0.05;
+  }
+  [[nodiscard]] double value() const noexcept { return weight_ > 0 ? sum_ / weight_ : 0.0; }
+
+ private:
+  double sum_ = 0, weight_ = 0;
+};
+
+//! What a training loop's progress line shows: the averaged loss and each head's averaged
+//! training top-1, and the report built from them.
+struct training_meter {
+  moving_average loss;
+  std::vector<moving_average> top1;
+
+  explicit training_meter(std::size_t heads) : top1(heads) {}
+
+  //! One step: its loss and its heads' batch statistics.
+  void add(double step_loss, const head_batch_stats& st) {
+    loss.add(step_loss);
+    for (std::size_t k = 0; k < top1.size(); ++k)
+      top1[k].add(st.counted[k] ? static_cast<double>(st.top1[k]) / static_cast<double>(st.counted[k]) : 0.0);
+  }
+  //! The fields of `pr` every loop reports, after 0-based `step` of `total`.
+  void report(fit_progress& pr, std::size_t step, std::size_t total, double lr, double elapsed, double positions_seen) const {
+    pr.step = step + 1;
+    pr.total_steps = total;
+    pr.loss = loss.value();
+    pr.head_top1.resize(top1.size());
+    for (std::size_t k = 0; k < top1.size(); ++k) pr.head_top1[k] = top1[k].value();
+    pr.lr = lr;
+    pr.elapsed = elapsed;
+    pr.positions_per_second = positions_seen / std::max(1e-9, elapsed);
+    pr.eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
   }
 };
 

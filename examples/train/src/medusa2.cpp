@@ -5,15 +5,17 @@
 
 #include <medusa_llama/thread_pool.hpp>
 
+#include <medusa/candidates.hpp>
 #include <medusa/error.hpp>
 
 #include <cblas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <numeric>
+#include <exception>
 
 namespace medusa_train {
 
@@ -30,31 +32,28 @@ std::size_t below(std::uint64_t& s, std::size_t n) {
 }
 
 // Runs body(i, tid) for i < n on `pool`, one index per chunk (BLAS single-threaded meanwhile: the
-// sequences are the parallelism).
+// sequences are the parallelism). The pool's jobs must not throw: the first error is rethrown here.
 template <class F>
 void per_sequence(medusa_llama::thread_pool& pool, std::size_t n, F&& body) {
   if (n == 0) return;
   openblas_set_num_threads(1);
-  pool.run(static_cast<int>(n), [&](int c, int tid) { body(static_cast<std::size_t>(c), static_cast<std::size_t>(tid)); });
+  std::exception_ptr error;
+  std::atomic_flag failed;
+  pool.run(static_cast<int>(n), [&](int c, int tid) {
+    try {
+      body(static_cast<std::size_t>(c), static_cast<std::size_t>(tid));
+    } catch (...) {
+      if (!failed.test_and_set()) error = std::current_exception();
+    }
+  });
+  if (error) std::rethrow_exception(error);
 }
 
-// The k largest logits of a row, ties by ascending id (the decoder's order).
-void top_k(const float* z, std::size_t V, std::size_t k, std::vector<std::int32_t>& idx, std::int32_t* ids, float* logits) {
-  idx.resize(V);
-  std::iota(idx.begin(), idx.end(), 0);
-  auto better = [&](std::int32_t a, std::int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
-  std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(k), idx.end(), better);
-  for (std::size_t i = 0; i < k; ++i) {
-    ids[i] = idx[i];
-    logits[i] = z[idx[i]];
-  }
-}
-
-std::size_t argmax_row(const float* z, std::size_t V) {
-  std::size_t b = 0;
-  for (std::size_t v = 1; v < V; ++v)
-    if (z[v] > z[b]) b = v;
-  return b;
+// First row of each sequence's teacher rows (one per position but the last), and the total last.
+std::vector<std::size_t> teacher_rows(std::span<const backbone_sequence> seqs) {
+  std::vector<std::size_t> first(seqs.size() + 1, 0);
+  for (std::size_t i = 0; i < seqs.size(); ++i) first[i + 1] = first[i] + (seqs[i].tokens.empty() ? 0 : seqs[i].tokens.size() - 1);
+  return first;
 }
 
 // log Σ exp(z) in double.
@@ -103,15 +102,13 @@ teacher_table teacher_table::compute(const lora_model& m, std::span<const backbo
   if (k == 0 || k > V) throw medusa::invalid_input("medusa2: teacher top-k " + std::to_string(k) + " is outside [1, V = " + std::to_string(V) + "]");
   teacher_table t;
   t.k_ = k;
-  t.first_.resize(seqs.size() + 1);
-  for (std::size_t i = 0; i < seqs.size(); ++i) t.first_[i + 1] = t.first_[i] + (seqs[i].tokens.size() > 0 ? seqs[i].tokens.size() - 1 : 0);
+  t.first_ = teacher_rows(seqs);
   t.ids_.resize(t.first_.back() * k);
   t.logits_.resize(t.first_.back() * k);
   t.log_norm_.resize(t.first_.back());
   medusa_llama::thread_pool pool(std::max(1, threads));
   std::vector<sequence_state> states(static_cast<std::size_t>(pool.size()));
   std::vector<std::vector<float>> z(states.size());
-  std::vector<std::vector<std::int32_t>> idx(states.size());
   per_sequence(pool, seqs.size(), [&](std::size_t i, std::size_t tid) {
     const std::size_t n = seqs[i].tokens.size();
     if (n < 2) return;
@@ -121,8 +118,11 @@ teacher_table teacher_table::compute(const lora_model& m, std::span<const backbo
     m.logits(st, 0, n - 1, z[tid].data());
     for (std::size_t p = 0; p + 1 < n; ++p) {
       const std::size_t row = t.first_[i] + p;
-      top_k(z[tid].data() + p * V, V, k, idx[tid], t.ids_.data() + row * k, t.logits_.data() + row * k);
-      t.log_norm_[row] = static_cast<float>(log_sum_exp(z[tid].data() + p * V, V));
+      const float* zr = z[tid].data() + p * V;
+      const std::span<std::int32_t> ids(t.ids_.data() + row * k, k);
+      medusa::top_k(std::span<const float>(zr, V), ids);  // best first, equal logits by ascending id
+      for (std::size_t j = 0; j < k; ++j) t.logits_[row * k + j] = zr[ids[j]];
+      t.log_norm_[row] = static_cast<float>(log_sum_exp(zr, V));
     }
   });
   return t;
@@ -157,8 +157,7 @@ std::optional<teacher_table> teacher_table::load(const std::filesystem::path& pa
   if (!f) return std::nullopt;
   teacher_table t;
   t.k_ = k;
-  t.first_.resize(seqs.size() + 1);
-  for (std::size_t i = 0; i < seqs.size(); ++i) t.first_[i + 1] = t.first_[i] + (seqs[i].tokens.size() > 0 ? seqs[i].tokens.size() - 1 : 0);
+  t.first_ = teacher_rows(seqs);
   char magic[8];
   std::uint64_t head[3];
   const bool header = std::fread(magic, 1, 8, f) == 8 && std::fread(head, sizeof head, 1, f) == 1;
@@ -223,10 +222,9 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
   std::uint64_t shuffle = o.seed ^ 0x3e5d05a2ull;
   std::size_t pos_in_epoch = per_epoch;
   std::size_t t_adam = 0;
-  double ema_w = 0, ema_kl = 0, ema_head = 0, ema_loss = 0;
-  std::vector<double> ema_top1(K, 0.0);
+  detail::training_meter meter(K);
+  detail::moving_average avg_kl, avg_head;
   joint_progress pr;
-  pr.head_top1.assign(K, 0.0);
   auto last_report = clock_type::now();
   detail::deadline_plan budget{o.deadline, o.reserve_seconds, 4, 10.0};
   for (std::size_t step = 0; step < total; ++step) {
@@ -273,9 +271,7 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
       }
     }
     openblas_set_num_threads(heads.threads());
-    head_batch_stats hs;
-    if (R > 0) hs = heads.accumulate(X.data(), R, targets.data(), hw, dX.data());
-    else hs = heads.accumulate(X.data(), 0, targets.data(), hw, nullptr);
+    const auto hs = heads.accumulate(X.data(), R, targets.data(), hw, dX.data());
     for (std::size_t i = 0, r = 0; i < nb; ++i) {
       const auto& sq = seqs[order[b0 + i]];
       for (std::size_t t = sq.row0; t + 2 < sq.tokens.size(); ++t, ++r)
@@ -319,34 +315,24 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
     double head_loss = 0;
     for (std::size_t k = 0; k < K; ++k) head_loss += std::pow(static_cast<double>(o.decay), static_cast<double>(k)) * hs.head_loss[k];
     res.steps = step + 1;
-    ema_w = 0.95 * ema_w + 0.05;
-    ema_kl = 0.95 * ema_kl + 0.05 * kl;
-    ema_head = 0.95 * ema_head + 0.05 * head_loss;
-    ema_loss = 0.95 * ema_loss + 0.05 * (kl + o.heads_coefficient * head_loss);
-    for (std::size_t k = 0; k < K; ++k)
-      ema_top1[k] = 0.95 * ema_top1[k] + 0.05 * (hs.counted[k] ? static_cast<double>(hs.top1[k]) / static_cast<double>(hs.counted[k]) : 0.0);
+    meter.add(kl + o.heads_coefficient * head_loss, hs);
+    avg_kl.add(kl);
+    avg_head.add(head_loss);
     const double elapsed = seconds_since(t0);
     if (budget.update(step, elapsed, total)) res.budget_limited = true;
     const bool last = step + 1 == total;
     if (o.on_progress && (last || seconds_since(last_report) >= o.progress_interval)) {
       last_report = clock_type::now();
-      pr.step = step + 1;
-      pr.total_steps = total;
-      pr.loss = ema_loss / ema_w;
-      pr.kl = ema_kl / ema_w;
-      pr.head_loss = ema_head / ema_w;
-      for (std::size_t k = 0; k < K; ++k) pr.head_top1[k] = ema_top1[k] / ema_w;
-      pr.lr = lr_heads;
-      pr.elapsed = elapsed;
-      pr.positions_per_second = static_cast<double>(res.positions_seen) / std::max(1e-9, elapsed);
-      pr.eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
+      meter.report(pr, step, total, lr_heads, elapsed, static_cast<double>(res.positions_seen));
+      pr.kl = avg_kl.value();
+      pr.head_loss = avg_head.value();
       o.on_progress(pr);
     }
   }
   openblas_set_num_threads(heads.threads());
   res.seconds = seconds_since(t0);
-  res.final_kl = ema_w > 0 ? ema_kl / ema_w : 0;
-  res.final_head_loss = ema_w > 0 ? ema_head / ema_w : 0;
+  res.final_kl = avg_kl.value();
+  res.final_head_loss = avg_head.value();
   return res;
 }
 
@@ -397,7 +383,7 @@ adapted_quality measure_quality(const lora_model& lm, std::span<const backbone_s
           kl += std::exp(lpb) * (lpb - (a[v] - la));
         }
         p.kl += kl;
-        p.agree += argmax_row(a, V) == argmax_row(b, V);
+        p.agree += medusa::argmax(std::span<const float>(a, V)) == medusa::argmax(std::span<const float>(b, V));
         ++p.positions;
       }
     }

@@ -136,9 +136,7 @@ std::vector<std::vector<std::int32_t>> held_out_texts(const prompt_set& prompts,
   if (prompts.is_corpus()) {
     for (const auto& f : prompts.files(split::eval)) {
       if (static_cast<int>(out.size()) >= count) break;
-      std::ifstream in(f, std::ios::binary);
-      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      add(text);
+      add(detail::read_file(f));
     }
   } else {
     for (const auto& line : prompts.lines(split::eval)) {
@@ -147,18 +145,6 @@ std::vector<std::vector<std::int32_t>> held_out_texts(const prompt_set& prompts,
     }
   }
   return out;
-}
-
-// Rows of q_proj / k_proj's lora_B in the Hugging Face order (rotate_half) for a model whose RoPE
-// pairs adjacent dimensions: row 2i+e of a head becomes row e·hd/2+i, as in the HF conversion.
-std::vector<float> hf_rows(std::span<const float> B, std::size_t out, std::size_t rank, std::size_t hd) {
-  std::vector<float> r(B.size());
-  for (std::size_t row = 0; row < out; ++row) {
-    const std::size_t head = row / hd, j = row % hd, i = j / 2, e = j % 2;
-    const std::size_t to = head * hd + e * (hd / 2) + i;
-    std::copy_n(B.data() + row * rank, rank, r.data() + to * rank);
-  }
-  return r;
 }
 
 void copy_beside(const std::filesystem::path& from_dir, const std::filesystem::path& to_dir, std::initializer_list<const char*> names) {
@@ -276,7 +262,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
   // ---- cache key: everything the data depends on ---------------------------------------------
   cache_key_builder kb;
   kb.add("format", std::string("medusa-distill-cache/1"));
-  if (!std::filesystem::is_directory(o.model, ec)) {
+  if (!hf_input) {
     kb.add_file("model", o.model);
   } else {
     kb.add("model", std::filesystem::absolute(o.model).string());
@@ -419,7 +405,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
       copy_beside(tok_path.parent_path(), model_dir, {"tokenizer.bin", "tokenizer.model", "tokenizer.json"});
       rep.model_file = o.out / "model" / "model.bin";
     }
-    // The adapter, in PEFT's layout and Hugging Face's row order.
+    // The adapter, in PEFT's layout and Hugging Face's row order (as `save_hf` orders wq and wk).
     std::vector<std::vector<float>> permuted;
     permuted.reserve(2 * static_cast<std::size_t>(cfg.n_layers));
     std::vector<lora_tensor_pair> pairs;
@@ -429,7 +415,8 @@ run_report run_training(const run_options& o, const run_events& ev) {
         const auto ll = lm.adapter(l, pr);
         std::span<const float> B(ll.B, ll.out * ll.rank);
         if (cfg.rope == medusa_llama::rope_style::adjacent_pairs && (pr == projection::q || pr == projection::k)) {
-          permuted.push_back(hf_rows(B, ll.out, ll.rank, static_cast<std::size_t>(cfg.head_dim())));
+          const auto hd = static_cast<std::size_t>(cfg.head_dim());
+          permuted.push_back(medusa_llama::adjacent_to_halves(ll.B, ll.out / hd, hd, ll.rank));
           B = permuted.back();
         }
         pairs.push_back({module_path(l, pr), ll.in, ll.out, ll.rank, std::span<const float>(ll.A, ll.rank * ll.in), B});

@@ -12,7 +12,6 @@
 #include <cmath>
 #include <fstream>
 #include <set>
-#include <sstream>
 #include <string_view>
 
 namespace medusa_train {
@@ -20,6 +19,7 @@ namespace medusa_train {
 namespace {
 
 using detail::below;
+using detail::read_file;
 using detail::clock_type;
 using detail::mix;
 using detail::seconds_since;
@@ -43,14 +43,6 @@ bool looks_textual(const std::filesystem::path& p) {
 
 bool held_out(std::string_view key, double fraction) {
   return static_cast<double>(fnv1a64(key) % 1000000) < fraction * 1e6;
-}
-
-std::string read_file(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) throw medusa::io_error("cannot read " + p.string());
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 std::string unescape(std::string_view s) {

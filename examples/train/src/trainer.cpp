@@ -55,11 +55,15 @@ head_trainer::head_trainer(const head_shape& shape, const float* lm_head, std::u
   weights_ = medusa::head_weights::initialize(shape.d, shape.V, shape.K, shape.L, medusa::projection_kind::per_head,
                                               medusa::weight_dtype::f32,
                                               lm_head ? medusa::weight_ptr::of(lm_head) : medusa::weight_ptr{}, seed);
-  if (weights_.size_bytes() != shape.num_params() * sizeof(float))
+  start(threads);
+}
+
+void head_trainer::start(int threads) {
+  if (weights_.size_bytes() != shape_.num_params() * sizeof(float))
     throw medusa::invalid_input("train: head_weights layout differs from the trainer's");
-  grads_.assign(shape.num_params(), 0.0f);
-  m_.assign(shape.num_params(), 0.0f);
-  v_.assign(shape.num_params(), 0.0f);
+  grads_.assign(shape_.num_params(), 0.0f);
+  m_.assign(shape_.num_params(), 0.0f);
+  v_.assign(shape_.num_params(), 0.0f);
   pool_ = std::make_unique<medusa_llama::thread_pool>(threads);
   openblas_set_num_threads(threads);
 }
@@ -97,13 +101,7 @@ head_trainer::head_trainer(const medusa::head_weights& init, int threads) {
   check_shape(shape_);
   if (threads < 1) throw medusa::invalid_input("train: threads must be >= 1, got " + std::to_string(threads));
   weights_ = init.dtype() == medusa::weight_dtype::f32 ? init : init.to_dtype(medusa::weight_dtype::f32);
-  if (weights_.size_bytes() != shape_.num_params() * sizeof(float))
-    throw medusa::invalid_input("train: head_weights layout differs from the trainer's");
-  grads_.assign(shape_.num_params(), 0.0f);
-  m_.assign(shape_.num_params(), 0.0f);
-  v_.assign(shape_.num_params(), 0.0f);
-  pool_ = std::make_unique<medusa_llama::thread_pool>(threads);
-  openblas_set_num_threads(threads);
+  start(threads);
 }
 
 namespace {
@@ -238,9 +236,7 @@ fit_result fit(head_trainer& t, const distill_cache& data, const fit_options& op
   rng64 rng{opt.seed ^ 0x5eed5eedull};
   std::size_t pos_in_epoch = per_epoch;  // forces a shuffle before the first step
   fit_progress pr;
-  pr.head_top1.assign(K, 0.0);
-  double ema_loss = 0, ema_w = 0;
-  std::vector<double> ema_top1(K, 0.0);
+  detail::training_meter meter(K);
   auto last_report = clock_type::now();
   detail::deadline_plan budget{opt.deadline, opt.reserve_seconds, 8, 3.0};
   for (std::size_t step = 0; step < total; ++step) {
@@ -255,29 +251,18 @@ fit_result fit(head_trainer& t, const distill_cache& data, const fit_options& op
     const auto st = t.step(x.data(), n, targets.data(), hw, lr, opt.opt);
     res.steps = step + 1;
     res.positions_seen += n;
-    // Exponential moving averages (bias-corrected) for the progress line.
-    ema_w = 0.95 * ema_w + 0.05;
-    ema_loss = 0.95 * ema_loss + 0.05 * st.loss;
-    for (std::size_t k = 0; k < K; ++k)
-      ema_top1[k] = 0.95 * ema_top1[k] + 0.05 * (st.counted[k] ? static_cast<double>(st.top1[k]) / static_cast<double>(st.counted[k]) : 0.0);
+    meter.add(st.loss, st);
     const double elapsed = seconds_since(t0);
     if (budget.update(step, elapsed, total)) res.budget_limited = true;
     const bool last = step + 1 == total;
     if (opt.on_progress && (last || seconds_since(last_report) >= opt.progress_interval)) {
       last_report = clock_type::now();
-      pr.step = step + 1;
-      pr.total_steps = total;
-      pr.loss = ema_loss / ema_w;
-      for (std::size_t k = 0; k < K; ++k) pr.head_top1[k] = ema_top1[k] / ema_w;
-      pr.lr = lr;
-      pr.elapsed = elapsed;
-      pr.positions_per_second = static_cast<double>(res.positions_seen) / std::max(1e-9, elapsed);
-      pr.eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
+      meter.report(pr, step, total, lr, elapsed, static_cast<double>(res.positions_seen));
       opt.on_progress(pr);
     }
   }
   res.seconds = seconds_since(t0);
-  res.final_loss = ema_w > 0 ? ema_loss / ema_w : 0.0;
+  res.final_loss = meter.loss.value();
   return res;
 }
 

@@ -71,6 +71,12 @@ enum class stored_type {
 //! with the magic "GGUF".
 [[nodiscard]] bool is_gguf(const std::filesystem::path& path);
 
+//! Rows of a matrix with `heads` heads of `head_dim` rows (`cols` wide each), every head reordered
+//! from RoPE on adjacent pairs (rows 2i, 2i+1) to RoPE on halves (rows i, i + head_dim/2): what
+//! Hugging Face's conversion does to `wq` and `wk` of a Meta / llama2.c checkpoint (and to anything
+//! with their output rows, such as a LoRA `lora_B`).
+[[nodiscard]] std::vector<float> adjacent_to_halves(const float* w, std::size_t heads, std::size_t head_dim, std::size_t cols);
+
 //! Pointers to one transformer block's weights (row-major `[out][in]`).
 struct layer_weights {
   const float* rms_att = nullptr;  //!< `[dim]`

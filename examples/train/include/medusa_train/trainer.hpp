@@ -111,6 +111,9 @@ class head_trainer {
   [[nodiscard]] double last_grad_norm() const noexcept { return grad_norm_; }
 
  private:
+  // Gradients, moments, the pool and BLAS threads for the weights in place (checks their layout).
+  void start(int threads);
+
   head_shape shape_;
   medusa::head_weights weights_;
   std::vector<float> grads_, m_, v_;
