@@ -21,11 +21,14 @@
 //!
 //! A request's tokens are exactly those it would get decoded alone (`decoder::generate`, and with
 //! greedy acceptance plain greedy decoding): requests share the forward pass and the tree, never
-//! state. Errors specific to one request (non-finite logits, a cache that cannot take the step, a
-//! throwing token callback, pages the engine cannot map, a model's own commit that throws or
-//! reports a wrong length) end that request with
-//! `stop_reason::failed` and the exception in its update; the others go on. Errors of the whole
-//! batch (the model's forward throws) propagate from `step()`.
+//! state. Errors specific to one request (non-finite logits or hidden states from the model, a
+//! `model_output_error` naming the request and the step; a cache that cannot take the step; a
+//! throwing token callback; pages the engine cannot map; a model's own commit that throws or
+//! reports a wrong length) end that request with `stop_reason::failed` and the exception in its
+//! update; the others go on. A failed step commits nothing: `decode_result::cache_length` counts
+//! the request's valid cache slots, so the engine may drop the request (free its slots) or resume
+//! it by joining again with `prompt + tokens` and `decode_options::cached_prompt_tokens`. Errors of
+//! the whole batch (the model's forward throws) propagate from `step()`.
 #pragma once
 
 #include <medusa/config.hpp>
@@ -39,6 +42,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -89,6 +93,27 @@ std::int32_t choose_token(const Policy& policy, std::span<const float> z, std::u
 }
 
 inline std::size_t to_size(int v) noexcept { return static_cast<std::size_t>(v); }
+
+inline const char* describe_non_finite(float v) noexcept { return v != v ? "NaN" : v > 0 ? "+Inf" : "-Inf"; }
+
+// A hidden state the heads will read (or the next step starts from) must be finite.
+inline void check_hidden_row(int request, std::uint64_t step, std::span<const float> row, const std::string& where) {
+  for (std::size_t j = 0; j < row.size(); ++j)
+    if (!std::isfinite(row[j]))
+      throw model_output_error(request, step, model_output::hidden,
+                               where + ": element " + std::to_string(j) + " is " + describe_non_finite(row[j]));
+}
+
+// A logit row the next token is chosen from: no NaN or +Inf, not every token masked.
+inline void check_logits_row(int request, std::uint64_t step, std::span<const float> row, const std::string& where) {
+  const logit_row_scan scan = scan_logit_row(row.data(), row.size());
+  if (scan.first_invalid >= 0)
+    throw model_output_error(request, step, model_output::logits,
+                             where + ": logit " + std::to_string(scan.first_invalid) + " is " +
+                                 describe_non_finite(row[static_cast<std::size_t>(scan.first_invalid)]));
+  if (!scan.any_allowed)
+    throw model_output_error(request, step, model_output::logits, where + ": every logit is -Inf");
+}
 
 }  // namespace detail
 
@@ -239,6 +264,10 @@ class batch_decoder {
     if (opt.prefill_chunk < 1)
       throw decode_error(who + "prefill_chunk must be >= 1, got " + std::to_string(opt.prefill_chunk));
     if (prompt.empty()) throw decode_error(who + "the prompt is empty: give at least one token (e.g. BOS)");
+    if (opt.cached_prompt_tokens < 0 || detail::to_size(opt.cached_prompt_tokens) >= prompt.size())
+      throw decode_error(who + "cached_prompt_tokens must be in [0, " + std::to_string(prompt.size() - 1) +
+                         "] for a prompt of " + std::to_string(prompt.size()) + " tokens (the last one always runs), got " +
+                         std::to_string(opt.cached_prompt_tokens));
     const int context = context_of(request);
     if (prompt.size() > detail::to_size(context)) {
       std::string hint;
@@ -257,9 +286,9 @@ class batch_decoder {
     s.opt = opt;
     s.on_token = std::move(on_token);
     s.context = context;
-    s.prefilled = 0;
+    s.prefilled = opt.cached_prompt_tokens;
     s.ready = false;
-    s.length = 0;
+    s.length = opt.cached_prompt_tokens;
     s.pending = -1;
     s.step = 0;
     s.done = false;
@@ -312,6 +341,7 @@ class batch_decoder {
         u.reason = s.result.reason;
         u.error = s.error;
         s.result.stats.seconds.total = seconds_since(s.joined);
+        s.result.cache_length = s.length;
         u.result = std::move(s.result);
         retire(s);
       }
@@ -553,12 +583,21 @@ class batch_decoder {
       for (int i = 0; i < B; ++i) {
         slot& s = *members_[to_size(i)];
         s.result.stats.seconds.prefill += dt;
+        // Each chunk's last row is checked: a non-finite one fails the request with the chunk's
+        // slots left out of its valid length.
+        const auto z = std::span<const float>(logits_.data() + to_size(i) * V, V);
+        const auto h = std::span<const float>(hidden_out_.data() + to_size(i) * d, d);
+        const std::string where = "prompt token #" + std::to_string(s.prefilled + s.rows - 1);
+        if (!guarded(s, [&] {
+              detail::check_logits_row(s.id, 0, z, where);
+              detail::check_hidden_row(s.id, 0, h, where);
+            }))
+          continue;
         s.prefilled += s.rows;
         s.length = s.prefilled;
         if (s.prefilled < static_cast<int>(s.prompt.size())) continue;
-        s.result.stats.prompt_tokens = s.prefilled;
-        const auto z = std::span<const float>(logits_.data() + to_size(i) * V, V);
-        std::copy_n(hidden_out_.data() + to_size(i) * d, d, s.h.data());
+        s.result.stats.prompt_tokens = static_cast<int>(s.prompt.size());
+        std::copy(h.begin(), h.end(), s.h.begin());
         if (guarded(s, [&] { s.pending = detail::choose_token(policy_, z, s.opt.seed, s.step, ws_); })) s.ready = true;
       }
     }
@@ -711,8 +750,14 @@ class batch_decoder {
       for (int j = 0; j < verify_count; ++j) {
         slot& s = *members_[to_size(verify_rows_[to_size(j)])];
         ok[to_size(j)] = guarded(s, [&] {
-          if constexpr (per_step) results_[to_size(j)] = verify(*s.step_tree, requests_[to_size(j)], policy_, ws_);
-          else results_[to_size(j)] = verify(tree_, requests_[to_size(j)], policy_, ws_);
+          try {
+            if constexpr (per_step) results_[to_size(j)] = verify(*s.step_tree, requests_[to_size(j)], policy_, ws_);
+            else results_[to_size(j)] = verify(tree_, requests_[to_size(j)], policy_, ws_);
+          } catch (const acceptance_error& e) {  // the model's logits of this step: say whose and when
+            if (e.code() != acceptance_errc::non_finite_logit) throw;
+            const std::string what = e.what();
+            throw model_output_error(s.id, s.step + 1, model_output::logits, what.substr(what.find(' ') + 1));
+          }
         });
       }
     const double accept_time = seconds_since(t0);
@@ -730,12 +775,18 @@ class batch_decoder {
       ++st.steps;
       ++s.step;
       if (s.rows == 1) {  // plain step: its token was emitted; choose the next one
-        s.length += 1;
-        std::copy_n(hidden_out_.data() + row0 * d, d, s.h.data());
         const auto z = std::span<const float>(logits_.data() + row0 * V, V);
+        const auto h = std::span<const float>(hidden_out_.data() + row0 * d, d);
         const auto tc = decode_clock::now();
-        guarded(s, [&] { s.pending = detail::choose_token(policy_, z, s.opt.seed, s.step, ws_); });
+        const bool chosen = guarded(s, [&] {
+          detail::check_logits_row(s.id, s.step, z, "row 0");
+          detail::check_hidden_row(s.id, s.step, h, "row 0");
+          s.pending = detail::choose_token(policy_, z, s.opt.seed, s.step, ws_);
+        });
         st.seconds.accept += seconds_since(tc);
+        if (!chosen) continue;  // the slot this step wrote is not counted valid
+        s.length += 1;
+        std::copy(h.begin(), h.end(), s.h.begin());
         if constexpr (kv_releasing_model<Model>)
           if (!s.done) guarded(s, [&] { model_.release(s.id, s.length); });
         continue;
@@ -743,6 +794,9 @@ class batch_decoder {
       const int jj = j++;
       if (!ok[to_size(jj)]) continue;
       const verify_result& res = results_[to_size(jj)];
+      const auto h = std::span<const float>(hidden_out_.data() + (row0 + to_size(res.next_node)) * d, d);
+      if (!guarded(s, [&] { detail::check_hidden_row(s.id, s.step, h, "node " + std::to_string(res.next_node)); }))
+        continue;  // nothing committed: the cache is as before the step
       const auto tc = decode_clock::now();
       const bool committed = guarded(s, [&] {
         if constexpr (per_step) s.length = commit_path(s, *s.step_tree, res.nodes());
@@ -759,7 +813,7 @@ class batch_decoder {
       if (s.done) continue;
       // An accepted EOS draft ends the request in emit(); otherwise continue from the bonus.
       s.pending = res.bonus;
-      std::copy_n(hidden_out_.data() + (row0 + to_size(res.next_node)) * d, d, s.h.data());
+      std::copy(h.begin(), h.end(), s.h.begin());
     }
   }
 
