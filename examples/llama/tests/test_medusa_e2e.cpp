@@ -3,6 +3,8 @@
 // engine equals plain greedy decoding token for token (random heads, several prompts and trees,
 // 256 new tokens), with run-time trees and, for presets, their compile-time trees through
 // medusa::dispatch_tree. Skips with a message when the shared models are absent.
+// MEDUSA_E2E_NEW_TOKENS=N caps the new tokens per prompt: the sanitizer runs use it to cover every
+// case in a few minutes.
 #include <medusa/dispatch.hpp>
 #include <medusa/medusa.hpp>
 
@@ -12,6 +14,8 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <type_traits>
@@ -20,6 +24,15 @@
 namespace {
 
 const std::filesystem::path models = std::filesystem::path(MEDUSA_SHARED_DIR) / "models";
+
+// The new tokens per prompt: `wanted`, or MEDUSA_E2E_NEW_TOKENS when that is smaller.
+int new_tokens_cap(int wanted) {
+  const char* env = std::getenv("MEDUSA_E2E_NEW_TOKENS");
+  if (env == nullptr || *env == '\0') return wanted;
+  const int cap = std::atoi(env);
+  REQUIRE_MESSAGE(cap > 0, "MEDUSA_E2E_NEW_TOKENS must be a positive integer, not " << env);
+  return std::min(wanted, cap);
+}
 
 bool have(const std::filesystem::path& p) {
   if (std::filesystem::exists(p)) return true;
@@ -46,7 +59,7 @@ void check_lossless(const std::filesystem::path& model_path, const std::filesyst
   medusa_llama::engine model(std::move(lm.weights), eo);
   medusa_llama::packed_heads heads(model, heads_w.view(), medusa_llama::weight_format::f32);
   medusa::decode_options opt;
-  opt.max_new_tokens = new_tokens;
+  opt.max_new_tokens = new_tokens_cap(new_tokens);
   opt.eos_token = eos;
   for (std::size_t p = 0; p < encoded.size(); ++p) {
     const auto vanilla = medusa::generate_vanilla(model, encoded[p], medusa::greedy_policy{}, opt);
