@@ -38,21 +38,19 @@ MEDUSA_NAMESPACE_BEGIN
 namespace detail {
 
 // A logit row must hold no NaN and no +Inf; -Inf marks a masked token (banned words, grammar
-// constraints, top-k masks), but not every token may be masked.
+// constraints, top-k masks), but not every token may be masked. `what` names the row ("node",
+// "head"), followed by `node` unless it is -1 (a lone row).
 inline void check_logit_row(std::span<const float> row, int node, const char* what) {
   const logit_row_scan scan = scan_logit_row(row.data(), row.size());
+  const std::string name = node >= 0 ? std::string(what) + " " + std::to_string(node) : std::string(what);
   if (scan.first_invalid >= 0) {
     const float v = row[static_cast<std::size_t>(scan.first_invalid)];
     throw acceptance_error(acceptance_errc::non_finite_logit,
-                           std::string(what) + " " + std::to_string(node) + ": logit " +
-                               std::to_string(scan.first_invalid) + " is " + (v != v ? "NaN" : "+Inf"),
+                           name + ": logit " + std::to_string(scan.first_invalid) + " is " + (v != v ? "NaN" : "+Inf"),
                            node);
   }
   if (!scan.any_allowed && !row.empty())
-    throw acceptance_error(acceptance_errc::non_finite_logit,
-                           std::string(what) + " " + std::to_string(node) +
-                               ": every logit is -Inf (all tokens masked)",
-                           node);
+    throw acceptance_error(acceptance_errc::non_finite_logit, name + ": every logit is -Inf (all tokens masked)", node);
 }
 
 inline void check_vocab(int vocab) {

@@ -268,8 +268,16 @@ model model::from_parts(const model_config& config, const float* embedding, std:
 
 void model::save_llama2c(const std::filesystem::path& path) const {
   const auto& c = config_;
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw load_error(load_errc::open_failed, "cannot create file", path.string());
+  // Written to path.tmp and renamed into place: a failed write leaves `path` as it was.
+  auto tmp = path;
+  tmp += ".tmp";
+  std::error_code ec;
+  auto fail = [&](const std::string& what, const std::string& where) {
+    std::filesystem::remove(tmp, ec);
+    throw load_error(load_errc::open_failed, what, where);
+  };
+  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+  if (!out) throw load_error(load_errc::open_failed, "cannot create file", tmp.string());
   const std::int32_t h[7] = {c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,
                              c.shared_classifier ? c.vocab_size : -c.vocab_size, c.seq_len};
   out.write(reinterpret_cast<const char*>(h), sizeof h);
@@ -293,7 +301,13 @@ void model::save_llama2c(const std::filesystem::path& path) const {
   put(rope.data(), rope.size());
   if (!c.shared_classifier) put(classifier_, V * d);
   out.flush();  // a full disk shows here, not in a destructor that cannot report it
-  if (!out) throw load_error(load_errc::open_failed, "write failed (disk full?)", path.string());
+  if (!out) {
+    out.close();
+    fail("write failed (disk full?)", tmp.string());
+  }
+  out.close();
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) fail("cannot rename " + tmp.string() + " into place: " + ec.message(), path.string());
 }
 
 // --- Hugging Face ---------------------------------------------------------------------------------
@@ -521,10 +535,18 @@ void model::save_hf(const std::filesystem::path& dir) const {
     if (!out) throw load_error(load_errc::open_failed, "cannot create file", tmp.string());
     out << j.dump(2) << '\n';
     out.flush();
-    if (!out) throw load_error(load_errc::open_failed, "write failed", tmp.string());
+    if (!out) {
+      out.close();
+      std::filesystem::remove(tmp, ec);
+      throw load_error(load_errc::open_failed, "write failed", tmp.string());
+    }
   }
   std::filesystem::rename(tmp, cfg_path, ec);
-  if (ec) throw load_error(load_errc::open_failed, "cannot rename " + tmp.string() + " into place: " + ec.message(), cfg_path.string());
+  if (ec) {
+    const std::string why = ec.message();
+    std::filesystem::remove(tmp, ec);
+    throw load_error(load_errc::open_failed, "cannot rename " + tmp.string() + " into place: " + why, cfg_path.string());
+  }
 }
 
 // --- GGUF -----------------------------------------------------------------------------------------

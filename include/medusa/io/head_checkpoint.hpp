@@ -728,13 +728,14 @@ struct head_save_options {
 //! `medusa_head.{h}.{L}.weight` unless shared-projection) to `dir/options.weights_file`, plus a
 //! `config.json` with `medusa_num_heads`, `medusa_num_layers`, `hidden_size`, `vocab_size`,
 //! `torch_dtype` (and `version: "2"` for shared-projection heads). Creates `dir` if needed.
-//! Returns the path of the weights file.
+//! Returns the path of the weights file. Throws `invalid_input` for heads with unset weights and
+//! `io_error` when writing fails; either way no file is left half written and nothing is replaced
+//! (the files are written under temporary names and renamed into place; directories the call
+//! created are removed again).
 template <std::size_t H, std::size_t L>
 std::filesystem::path save_heads(const std::filesystem::path& dir, const head_stack<H, L>& heads, const head_save_options& opt = {}) {
+  namespace fs = std::filesystem;
   heads.validate();
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (!std::filesystem::is_directory(dir, ec)) throw io_error("cannot create directory " + dir.string());
   const std::size_t d = heads.hidden_size(), V = heads.vocab_size(), K = heads.num_heads(), NL = heads.num_layers();
   safetensors_writer w;
   std::list<std::vector<std::byte>> converted;  // stable storage for converted tensors
@@ -764,20 +765,73 @@ std::filesystem::path save_heads(const std::filesystem::path& dir, const head_st
       add(pfx + std::to_string(h) + "." + std::to_string(NL) + ".weight", heads.projection(h), {V, d});
   }
   w.add_metadata("format", "pt");
-  const auto path = dir / opt.weights_file;
-  w.write(path);
+  std::string cfg;
   if (opt.write_config) {
     const char* torch_dtype = !seen || *seen == weight_dtype::f32 ? "float32" : *seen == weight_dtype::f16 ? "float16" : "bfloat16";
-    std::string cfg = "{\n  \"medusa_num_heads\": " + std::to_string(K) + ",\n  \"medusa_num_layers\": " + std::to_string(NL) +
-                      ",\n  \"hidden_size\": " + std::to_string(d) + ",\n  \"vocab_size\": " + std::to_string(V) +
-                      ",\n  \"torch_dtype\": \"" + torch_dtype + "\"";
+    cfg = "{\n  \"medusa_num_heads\": " + std::to_string(K) + ",\n  \"medusa_num_layers\": " + std::to_string(NL) +
+          ",\n  \"hidden_size\": " + std::to_string(d) + ",\n  \"vocab_size\": " + std::to_string(V) +
+          ",\n  \"torch_dtype\": \"" + torch_dtype + "\"";
     if (heads.kind() == projection_kind::shared_lm_head) cfg += ",\n  \"version\": \"2\"";
     if (!opt.base_model_name_or_path.empty()) cfg += ",\n  \"base_model_name_or_path\": " + json_quote(opt.base_model_name_or_path);
     cfg += "\n}\n";
-    std::ofstream out(dir / "config.json", std::ios::binary | std::ios::trunc);
+  }
+
+  const fs::path path = dir / opt.weights_file, config = dir / "config.json";
+  std::error_code ec;
+  // The topmost directory this call creates, removed again (when empty) if writing fails.
+  fs::path created;
+  for (fs::path p = dir; !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+    created = p;
+    if (p == p.parent_path()) break;
+  }
+  auto remove_created = [&] {
+    if (created.empty()) return;
+    for (fs::path p = dir;; p = p.parent_path()) {
+      fs::remove(p, ec);  // only empty directories go
+      if (p == created || p == p.parent_path()) break;
+    }
+  };
+  fs::create_directories(dir, ec);
+  if (!fs::is_directory(dir, ec)) {
+    remove_created();
+    throw io_error("cannot create directory " + dir.string());
+  }
+  // A directory in a file's place would make a rename fail after the other file was replaced.
+  for (const fs::path& target : {path, config})
+    if ((target == path || opt.write_config) && fs::is_directory(target, ec)) {
+      remove_created();
+      throw io_error("cannot write " + target.string() + ": a directory is in the way");
+    }
+  // config.json goes to a temporary file first, the weights are written (atomically), then the
+  // config is renamed over the old one.
+  fs::path config_tmp = config;
+  config_tmp += ".tmp";
+  auto fail = [&](const std::string& what) {
+    if (opt.write_config) fs::remove(config_tmp, ec);
+    remove_created();
+    throw io_error(what);
+  };
+  if (opt.write_config) {
+    std::ofstream out(config_tmp, std::ios::binary | std::ios::trunc);
+    if (!out) {
+      remove_created();
+      throw io_error("cannot create " + config_tmp.string());
+    }
     out << cfg;
     out.flush();
-    if (!out) throw io_error("cannot write " + (dir / "config.json").string());
+    if (!out) {
+      out.close();
+      fail("cannot write " + config_tmp.string());
+    }
+  }
+  try {
+    w.write(path);
+  } catch (const io_error& e) {
+    fail(std::string(e.what()).substr(8));  // drop "medusa: "
+  }
+  if (opt.write_config) {
+    fs::rename(config_tmp, config, ec);
+    if (ec) fail("cannot rename " + config_tmp.string() + " to " + config.string() + ": " + ec.message());
   }
   return path;
 }

@@ -436,22 +436,30 @@ class safetensors_writer {
   }
 
   //! Writes the file (to `path.tmp`, then renames, so a crash never leaves a half file at `path`).
+  //! On `io_error` the temporary file is removed and `path` is as it was.
   void write(const std::filesystem::path& path) const {
     std::filesystem::path tmp = path;
     tmp += ".tmp";
+    std::error_code ec;
+    auto fail = [&](const std::string& what) {
+      std::filesystem::remove(tmp, ec);
+      throw io_error(what);
+    };
     {
       std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      if (!out) throw io_error("cannot create " + tmp.string());
+      if (!out) throw io_error("cannot create " + tmp.string());  // nothing of ours to remove
       const std::string head = header_bytes();
       out.write(head.data(), static_cast<std::streamsize>(head.size()));
       for (const auto* e : layout())
         out.write(reinterpret_cast<const char*>(e->data.data()), static_cast<std::streamsize>(e->data.size()));
       out.flush();
-      if (!out) throw io_error("cannot write " + tmp.string());
+      if (!out) {
+        out.close();
+        fail("cannot write " + tmp.string());
+      }
     }
-    std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
-    if (ec) throw io_error("cannot rename " + tmp.string() + " to " + path.string() + ": " + ec.message());
+    if (ec) fail("cannot rename " + tmp.string() + " to " + path.string() + ": " + ec.message());
   }
 
  private:

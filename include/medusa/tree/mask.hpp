@@ -135,7 +135,9 @@ std::size_t write_full_row_stream(const T& t, int prefix_len, std::span<std::uin
 }
 
 //! Batched full-row stream: request b (prefix length `prefix_lens[b]`) starts on a fresh byte at
-//! `indptr[b]`; `indptr[B]` = total bytes. `indptr` needs B + 1 entries.
+//! `indptr[b]`; `indptr[B]` = total bytes. `indptr` needs B + 1 entries. Every request is checked
+//! before anything is written: on `invalid_input` (L < 0, a short buffer) `out` and `indptr` are
+//! unchanged.
 //! @return the total number of bytes written
 template <masked_tree T>
 std::size_t write_full_row_stream_batch(const T& t, std::span<const int> prefix_lens, std::span<std::uint8_t> out,
@@ -143,10 +145,19 @@ std::size_t write_full_row_stream_batch(const T& t, std::span<const int> prefix_
   if (indptr.size() < prefix_lens.size() + 1)
     throw invalid_input("full-row stream: indptr holds " + std::to_string(indptr.size()) + " entries, needs " +
                         std::to_string(prefix_lens.size() + 1));
+  std::size_t total = 0;
+  for (std::size_t b = 0; b < prefix_lens.size(); ++b) {
+    if (prefix_lens[b] < 0)
+      throw invalid_input("full-row stream: request " + std::to_string(b) + ": prefix length " +
+                          std::to_string(prefix_lens[b]) + " < 0");
+    total += full_row_stream_bytes(t.num_nodes(), prefix_lens[b]);
+  }
+  if (out.size() < total)
+    throw invalid_input("full-row stream: buffer holds " + std::to_string(out.size()) + " bytes, the batch needs " +
+                        std::to_string(total));
   std::size_t off = 0;
   for (std::size_t b = 0; b < prefix_lens.size(); ++b) {
     indptr[b] = static_cast<std::int64_t>(off);
-    if (off > out.size()) throw invalid_input("full-row stream: output buffer too small");
     off += write_full_row_stream(t, prefix_lens[b], out.subspan(off));
   }
   indptr[prefix_lens.size()] = static_cast<std::int64_t>(off);
