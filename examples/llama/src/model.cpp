@@ -3,6 +3,7 @@
 #include <medusa_llama/model.hpp>
 
 #include "gguf_reader.hpp"
+#include "json_int.hpp"
 #include "mapped_file.hpp"
 #include "safetensors_reader.hpp"
 
@@ -329,6 +330,9 @@ T json_field_or(const nlohmann::json& j, const char* key, T fallback, const std:
 }
 
 int json_int(const nlohmann::json& j, const char* key, const std::string& origin) {
+  // A number that is no int64 (16.5, 1e300) would be truncated or overflow in get<>.
+  if (const auto it = j.find(key); it != j.end() && it->is_number() && !detail::exact_int64(*it))
+    throw load_error(load_errc::bad_header, std::string("\"") + key + "\" = " + it->dump() + " is not an integer in range", origin);
   const auto v = json_field<std::int64_t>(j, key, origin);
   if (v <= 0 || v > (1 << 30))
     throw load_error(load_errc::bad_header, std::string("\"") + key + "\" = " + std::to_string(v) + " is out of range", origin);

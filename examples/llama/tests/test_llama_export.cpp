@@ -271,4 +271,11 @@ TEST_CASE("parse_hf_config reads the config.json that save_hf writes, with load_
   CHECK(code_of(patched("model_type", "gpt2")) == load_errc::unsupported);
   CHECK(code_of(patched("hidden_act", "gelu")) == load_errc::unsupported);
   CHECK(code_of(patched("rope_scaling", {{"type", "linear"}})) == load_errc::unsupported);
+  // Sizes must be integers that fit: 1e300 once reached an unchecked double-to-int conversion
+  // (tests/fuzz/regressions/hf_config), 64.5 was silently truncated, 2^64 - 1 wrapped to -1.
+  CHECK(code_of(patched("hidden_size", 1e300)) == load_errc::bad_header);
+  CHECK(code_of(patched("vocab_size", -1e300)) == load_errc::bad_header);
+  CHECK(code_of(patched("hidden_size", 64.5)) == load_errc::bad_header);
+  CHECK(code_of(patched("max_position_embeddings", 18446744073709551615ull)) == load_errc::bad_header);
+  CHECK(parse_hf_config(patched("hidden_size", 64.0), "config.json").dim == 64);  // an integral float is fine
 }
