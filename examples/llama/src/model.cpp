@@ -3,6 +3,7 @@
 #include <medusa_llama/model.hpp>
 
 #include "gguf_reader.hpp"
+#include "json_int.hpp"
 #include "mapped_file.hpp"
 #include "safetensors_reader.hpp"
 
@@ -343,24 +344,22 @@ T json_field_or(const nlohmann::json& j, const char* key, T fallback, const std:
 }
 
 int json_int(const nlohmann::json& j, const char* key, const std::string& origin) {
+  // A number that is no int64 (16.5, 1e300) would be truncated or overflow in get<>.
+  if (const auto it = j.find(key); it != j.end() && it->is_number() && !detail::exact_int64(*it))
+    throw load_error(load_errc::bad_header, std::string("\"") + key + "\" = " + it->dump() + " is not an integer in range", origin);
   const auto v = json_field<std::int64_t>(j, key, origin);
   if (v <= 0 || v > (1 << 30))
     throw load_error(load_errc::bad_header, std::string("\"") + key + "\" = " + std::to_string(v) + " is out of range", origin);
   return static_cast<int>(v);
 }
 
-}  // namespace
-
-model model::load_hf(const std::filesystem::path& dir) {
-  const auto cfg_path = dir / "config.json";
-  const std::string cp = cfg_path.string();
-  const auto j = read_json(cfg_path);
+// The fields of a Hugging Face config.json that the engine reads, checked (load_hf, parse_hf_config).
+model_config hf_config_from_json(const nlohmann::json& j, const std::string& cp) {
   if (!j.is_object()) throw load_error(load_errc::bad_json, "top level is not an object", cp);
   const auto type = json_field_or<std::string>(j, "model_type", "llama", cp);
   if (type != "llama" && type != "mistral")
     throw load_error(load_errc::unsupported, "model_type \"" + type + "\" is not a Llama model", cp);
-  model m;
-  auto& c = m.config_;
+  model_config c;
   c.dim = json_int(j, "hidden_size", cp);
   c.hidden_dim = json_int(j, "intermediate_size", cp);
   c.n_layers = json_int(j, "num_hidden_layers", cp);
@@ -385,6 +384,26 @@ model model::load_hf(const std::filesystem::path& dir) {
     throw load_error(load_errc::unsupported, "head_dim " + std::to_string(json_int(j, "head_dim", cp)) +
                                                      " differs from hidden_size / num_attention_heads = " +
                                                      std::to_string(c.head_dim()), cp);
+  return c;
+}
+
+}  // namespace
+
+model_config parse_hf_config(std::string_view json_text, const std::string& origin) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+  } catch (const nlohmann::json::exception& e) {
+    throw load_error(load_errc::bad_json, std::string("invalid JSON: ") + e.what(), origin);
+  }
+  return hf_config_from_json(j, origin);
+}
+
+model model::load_hf(const std::filesystem::path& dir) {
+  const auto cfg_path = dir / "config.json";
+  model m;
+  m.config_ = hf_config_from_json(read_json(cfg_path), cfg_path.string());
+  const auto& c = m.config_;
 
   const auto st_path = dir / "model.safetensors";
   const detail::safetensors_file st(st_path);

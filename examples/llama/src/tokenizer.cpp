@@ -3,6 +3,7 @@
 #include <medusa_llama/tokenizer.hpp>
 
 #include "gguf_reader.hpp"
+#include "json_int.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -260,6 +261,8 @@ hf_tokenizer::hf_tokenizer(const std::filesystem::path& path) {
     special_.assign(n, false);
     std::vector<bool> seen(n, false);
     for (const auto& [text, idj] : vocab.items()) {
+      if (idj.is_number() && !detail::exact_int64(idj))
+        throw load_error(load_errc::bad_tokenizer, "vocab id " + idj.dump() + " of \"" + text + "\" is not an integer in range", p);
       const auto id = idj.get<std::int64_t>();
       if (id < 0 || static_cast<std::size_t>(id) >= n || seen[static_cast<std::size_t>(id)])
         throw load_error(load_errc::bad_tokenizer, "vocab id " + std::to_string(id) + " of \"" + text + "\" is out of range or repeated", p);
@@ -274,6 +277,8 @@ hf_tokenizer::hf_tokenizer(const std::filesystem::path& path) {
       if (byte_of_[i] >= 0) byte_ids_[byte_of_[i]] = static_cast<int>(i);
     if (j.contains("added_tokens")) {
       for (const auto& a : j["added_tokens"]) {
+        if (a.at("id").is_number() && !detail::exact_int64(a.at("id")))
+          throw load_error(load_errc::bad_tokenizer, "added token id " + a.at("id").dump() + " is not an integer in range", p);
         const auto id = a.at("id").get<std::int64_t>();
         if (id < 0 || static_cast<std::size_t>(id) >= n)
           throw load_error(load_errc::bad_tokenizer, "added token id " + std::to_string(id) + " is outside the vocab of " + std::to_string(n), p);

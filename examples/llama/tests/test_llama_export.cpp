@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -222,4 +223,59 @@ TEST_CASE("save_hf reports a directory it cannot create") {
   } catch (const load_error& e) {
     CHECK(e.code() == load_errc::open_failed);
   }
+}
+
+TEST_CASE("parse_hf_config reads the config.json that save_hf writes, with load_hf's checks") {
+  const auto dir = scratch("config");
+  const auto m = model::random(small_config(false, rope_style::split_halves), 43);
+  m.save_hf(dir);
+  std::ifstream in(dir / "config.json");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const model_config c = parse_hf_config(text, "config.json");
+  const model_config& want = m.config();
+  CHECK(c.dim == want.dim);
+  CHECK(c.hidden_dim == want.hidden_dim);
+  CHECK(c.n_layers == want.n_layers);
+  CHECK(c.n_heads == want.n_heads);
+  CHECK(c.n_kv_heads == want.n_kv_heads);
+  CHECK(c.vocab_size == want.vocab_size);
+  CHECK(c.seq_len == want.seq_len);
+  CHECK(c.rms_eps == want.rms_eps);
+  CHECK(c.rope_theta == want.rope_theta);
+  CHECK(c.shared_classifier == want.shared_classifier);
+  CHECK(c.rope == rope_style::split_halves);
+  CHECK(model::load_hf(dir).config().dim == c.dim);
+
+  auto code_of = [](const std::string& json) {
+    try {
+      (void)parse_hf_config(json, "x/config.json");
+    } catch (const load_error& e) {
+      CHECK(std::string(e.what()).find("x/config.json") != std::string::npos);
+      return e.code();
+    }
+    FAIL("no exception: " << json);
+    return load_errc::open_failed;
+  };
+  auto patched = [&](const std::string& key, nlohmann::json value) {
+    auto j = nlohmann::json::parse(text);
+    if (value.is_discarded()) j.erase(key);
+    else j[key] = value;
+    return j.dump();
+  };
+  CHECK(code_of("{\"hidden_size\": ") == load_errc::bad_json);
+  CHECK(code_of("[1, 2]") == load_errc::bad_json);
+  CHECK(code_of(patched("hidden_size", nlohmann::json(nlohmann::json::value_t::discarded))) == load_errc::bad_json);
+  CHECK(code_of(patched("hidden_size", "64")) == load_errc::bad_json);
+  CHECK(code_of(patched("hidden_size", 0)) == load_errc::bad_header);
+  CHECK(code_of(patched("num_attention_heads", 3)) == load_errc::bad_header);
+  CHECK(code_of(patched("model_type", "gpt2")) == load_errc::unsupported);
+  CHECK(code_of(patched("hidden_act", "gelu")) == load_errc::unsupported);
+  CHECK(code_of(patched("rope_scaling", {{"type", "linear"}})) == load_errc::unsupported);
+  // Sizes must be integers that fit: 1e300 once reached an unchecked double-to-int conversion
+  // (tests/fuzz/regressions/hf_config), 64.5 was silently truncated, 2^64 - 1 wrapped to -1.
+  CHECK(code_of(patched("hidden_size", 1e300)) == load_errc::bad_header);
+  CHECK(code_of(patched("vocab_size", -1e300)) == load_errc::bad_header);
+  CHECK(code_of(patched("hidden_size", 64.5)) == load_errc::bad_header);
+  CHECK(code_of(patched("max_position_embeddings", 18446744073709551615ull)) == load_errc::bad_header);
+  CHECK(parse_hf_config(patched("hidden_size", 64.0), "config.json").dim == 64);  // an integral float is fine
 }

@@ -196,6 +196,13 @@ TEST_CASE("hf tokenizer: malformed tokenizer.json throws load_error") {
   expect(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 5}, "merges": []}})", load_errc::bad_tokenizer);
   expect(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2}, "merges": ["a x"]}})", load_errc::bad_tokenizer);
   expect(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2}}})", load_errc::bad_json);
+  // Ids must be integers that fit: 1e300 once reached an unchecked double-to-int conversion
+  // (tests/fuzz/regressions/tokenizer_json), 1.5 was silently truncated.
+  expect(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1e300, "c": 2}, "merges": []}})", load_errc::bad_tokenizer);
+  expect(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1.5, "c": 2}, "merges": []}})", load_errc::bad_tokenizer);
+  expect(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 18446744073709551615, "c": 2}, "merges": []}})", load_errc::bad_tokenizer);
+  expect(R"({"added_tokens": [{"id": -1e300}], "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2}, "merges": []}})",
+         load_errc::bad_tokenizer);
   write_bytes(dir / "ok.json", R"({"added_tokens": [{"id": 1, "content": "<s>", "special": true}, {"id": 2, "content": "</s>", "special": true}],
                                 "model": {"type": "BPE", "vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4, "ab": 5}, "merges": ["a b"]}})");
   const hf_tokenizer ok(dir / "ok.json");

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -53,6 +54,11 @@ struct model_config {
   //! Number of float32 parameters (the classifier counted once when shared).
   [[nodiscard]] std::uint64_t parameter_count() const noexcept;
 };
+
+//! Reads the text of a Hugging Face `config.json` into the `model_config` that `model::load_hf`
+//! uses (same checks: Llama or Mistral, silu, no RoPE scaling or biases, a valid shape). Throws
+//! `load_error` (`bad_json`, `bad_header`, `unsupported`) with `origin` as the file name.
+[[nodiscard]] model_config parse_hf_config(std::string_view json_text, const std::string& origin);
 
 //! How a checkpoint stored a group of weight matrices (they are float32 in the `model` either way).
 enum class stored_type {
