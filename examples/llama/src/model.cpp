@@ -189,8 +189,13 @@ model model::load_llama2c(const std::filesystem::path& path) {
                      p);
   // The mapping is page-aligned and the header is 28 bytes, so the floats are 4-byte aligned.
   m.bind_llama2c(reinterpret_cast<const float*>(file->data() + detail::llama2c_header_bytes));
+  m.mapping_ = file;
   m.storage_ = std::move(file);
   return m;
+}
+
+void model::release_pages(const float* first, std::size_t count) const noexcept {
+  if (mapping_ != nullptr) mapping_->release(first, count * sizeof(float));
 }
 
 model model::random(const model_config& config, std::uint64_t seed, float scale) {
