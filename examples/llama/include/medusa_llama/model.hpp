@@ -123,7 +123,8 @@ class model {
                           const float* rms_final, const float* classifier);
 
   //! Writes the model as a llama2.c checkpoint (negative vocab when the classifier is separate,
-  //! RoPE tables zero-filled). Only adjacent-pair RoPE models round-trip through this format.
+  //! RoPE tables zero-filled), through a temporary file beside `path` renamed over it when
+  //! complete. Only adjacent-pair RoPE models round-trip through this format.
   void save_llama2c(const std::filesystem::path& path) const;
   //! Writes a Hugging Face Llama directory that `load_hf` reads back: `dir/model.safetensors` (F32,
   //! `lm_head.weight` only when the classifier is separate) and `dir/config.json`; creates `dir`.
