@@ -31,6 +31,7 @@
 #include "tool_common.hpp"
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <deque>
 #include <filesystem>
@@ -40,6 +41,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <sys/resource.h>
 #include <unistd.h>
 #include <vector>
 
@@ -154,6 +156,18 @@ nlohmann::json to_json(const run_report& r) {
 // that are not UTF-8): such bytes print as U+FFFD instead of failing the run.
 std::string json_line(const nlohmann::json& j) {
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+// The process's peak resident set so far, in bytes (0 if the system does not say): what --json
+// reports as peak_rss_bytes. ru_maxrss counts kilobytes on Linux, bytes on macOS.
+std::int64_t peak_rss_bytes() {
+  rusage ru{};
+  if (::getrusage(RUSAGE_SELF, &ru) != 0 || ru.ru_maxrss < 0) return 0;
+#if defined(__APPLE__)
+  return static_cast<std::int64_t>(ru.ru_maxrss);
+#else
+  return static_cast<std::int64_t>(ru.ru_maxrss) * 1024;
+#endif
 }
 
 // Medusa tokens/s over plain tokens/s (0 when plain decoding produced nothing).
@@ -493,6 +507,7 @@ int report_batch(const run_args& a, const std::vector<batch_report>& reports, st
       summary["differing_requests"] = differ;
       summary["speedup"] = speedup;
     }
+    summary["peak_rss_bytes"] = peak_rss_bytes();
     std::printf("%s\n", json_line(summary).c_str());
   } else {
     const auto& last = reports.back();
@@ -841,6 +856,7 @@ int run(run_args a) {
       if (a.json) {
         auto j = to_json(r);
         j["weights"] = weights_json(model.options());
+        j["peak_rss_bytes"] = peak_rss_bytes();
         std::printf("%s\n", json_line(j).c_str());
       }
       reports.push_back(std::move(r));

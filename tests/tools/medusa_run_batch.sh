@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # medusa-run --prompts-file --batch on the shared code model: 7 prompts of different lengths, 3 at
 # a time (requests join as others finish), plain and Medusa decoding; every request's Medusa
-# tokens must equal its plain tokens, with random and with a tree deeper than one step.
+# tokens must equal its plain tokens, with random and with a tree deeper than one step; the summary
+# reports the peak resident memory.
 # Usage: medusa_run_batch.sh TOOL SHARED_DIR SCRATCH_DIR
 set -eu
 tool=$1 shared=$2 scratch=$3
@@ -29,6 +30,7 @@ s = json.load(sys.stdin)
 assert s["requests"] == 7 and s["batch"] == 3, s
 assert s["identical"] is True, s
 assert s["vanilla"]["tokens"] == s["medusa"]["tokens"] > 0, s
+assert s["peak_rss_bytes"] > 16 << 20, s  # bytes: the packed f32 weights alone are ~57 MB
 lines = [json.loads(l) for l in sys.argv[1].splitlines()[:-1]]
 assert sorted((l["mode"], l["request"]) for l in lines) == sorted((m, i) for m in ("vanilla", "medusa") for i in range(7))
 ' "$out"

@@ -30,6 +30,11 @@ assert t["step_cost"]["source"] == "measured", t
 assert t["predicted_speedup"] > 0 and t["nodes"] == len(t["paths"]) + 1, t
 assert [0] in t["paths"], t
 print("auto tree:", t["paths"], "predicted", round(t["predicted_speedup"], 2))' || fail "tree report"
+# Peak RSS on every line, in bytes (the packed f32 weights alone are ~57 MB), never falling.
+python3 -c '
+import json, sys
+v, m = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert 16 << 20 < v["peak_rss_bytes"] <= m["peak_rss_bytes"], (v["peak_rss_bytes"], m["peak_rss_bytes"])' "$van" "$med" || fail "peak_rss_bytes"
 [ "$(echo "$med" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["tokens"])')" = \
   "$(echo "$van" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["tokens"])')" ] || fail "greedy tokens differ"
 grep -q 'tree auto:' "$d/err1" || fail "no 'tree auto:' line on stderr"

@@ -128,21 +128,41 @@ bool layer_stack::use_blas(int T) const {
 }
 
 // The projection weights packed once into the kernels' panel layout (gemm.hpp).
+//
+// Ownership: the passes read the packed copies, plus the model's embedding rows and norms; the
+// model's own matrices are read again only by the OpenBLAS path and by whoever else holds the model
+// (export, the trainer, tests). So unless this stack may take the OpenBLAS path, each matrix of a
+// memory-mapped model is released as soon as it is packed (model::release_pages): its pages leave
+// the resident set, and any later reader maps them in again from the file. The resident weights are
+// then one copy (plus the matrix being packed), not the file and the copy. Owned buffers (GGUF,
+// Hugging Face, random) stay as they are: dropping their pages would lose them.
 void layer_stack::pack_weights() {
   const weight_format f = opt_.weights;
   const int d = c_.dim, kvd = c_.kv_dim(), H = c_.hidden_dim;
+  const bool release = !use_blas(opt_.max_rows);
+  auto packed = [&](const float* w, int rows, int cols) {
+    if (release) m_.release_pages(w, sz(rows) * sz(cols));
+  };
   packed_.resize(sz(c_.n_layers));
   for (int l = 0; l < c_.n_layers; ++l) {
     const layer_weights& w = m_.layer(l);
     auto& p = packed_[sz(l)];
     p.wq = packed_matrix(w.wq, d, d, f);
+    packed(w.wq, d, d);
     p.wk = packed_matrix(w.wk, kvd, d, f);
+    packed(w.wk, kvd, d);
     p.wv = packed_matrix(w.wv, kvd, d, f);
+    packed(w.wv, kvd, d);
     p.wo = packed_matrix(w.wo, d, d, f);
+    packed(w.wo, d, d);
     p.w13 = packed_matrix::swiglu_pair(w.w1, w.w3, H, d, f);
+    packed(w.w1, H, d);
+    packed(w.w3, H, d);
     p.w2 = packed_matrix(w.w2, d, H, f);
+    packed(w.w2, d, H);
   }
   cls_ = packed_matrix(m_.classifier(), c_.vocab_size, d, opt_.classifier_format());
+  if (m_.classifier() != m_.token_embedding()) packed(m_.classifier(), c_.vocab_size, d);  // a tied one is the embedding
 }
 
 std::size_t layer_stack::packed_bytes() const noexcept {

@@ -4,8 +4,10 @@
 
 #include <medusa_llama/errors.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -47,6 +49,20 @@ class mapped_file {
   }
   [[nodiscard]] const unsigned char* data() const noexcept { return data_; }
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+
+  // Drops this process's pages of the whole pages inside [p, p + n) (clipped to the mapping). The
+  // mapping is read-only, so none was ever written: a later read maps the page in again from the
+  // file (usually still in the page cache) and sees the same bytes. Only the resident set shrinks.
+  void release(const void* p, std::size_t n) const noexcept {
+    if (data_ == nullptr || n == 0) return;
+    static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const auto begin = reinterpret_cast<std::uintptr_t>(data_), end = begin + size_;
+    auto lo = std::max(reinterpret_cast<std::uintptr_t>(p), begin);
+    auto hi = std::min(reinterpret_cast<std::uintptr_t>(p) + n, end);
+    lo = (lo + page - 1) / page * page;
+    hi = hi / page * page;
+    if (lo < hi) (void)::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // a hint: failure changes nothing
+  }
 
  private:
   int fd_ = -1;

@@ -22,6 +22,8 @@
 #include <sstream>
 #include <string>
 
+#include <unistd.h>
+
 static_assert(std::endian::native == std::endian::little, "checkpoints are little-endian");
 
 namespace medusa_llama {
@@ -190,8 +192,13 @@ model model::load_llama2c(const std::filesystem::path& path) {
                      p);
   // The mapping is page-aligned and the header is 28 bytes, so the floats are 4-byte aligned.
   m.bind_llama2c(reinterpret_cast<const float*>(file->data() + detail::llama2c_header_bytes));
+  m.mapping_ = file;
   m.storage_ = std::move(file);
   return m;
+}
+
+void model::release_pages(const float* first, std::size_t count) const noexcept {
+  if (mapping_ != nullptr) mapping_->release(first, count * sizeof(float));
 }
 
 model model::random(const model_config& config, std::uint64_t seed, float scale) {
@@ -268,47 +275,50 @@ model model::from_parts(const model_config& config, const float* embedding, std:
 }
 
 void model::save_llama2c(const std::filesystem::path& path) const {
-  const auto& c = config_;
-  // Written to path.tmp and renamed into place: a failed write leaves `path` as it was.
+  // Written beside `path` and renamed over it when complete: a failed write never leaves half a
+  // checkpoint, and a model still mapping the old file keeps reading the old file.
   auto tmp = path;
-  tmp += ".tmp";
+  tmp += ".tmp-" + std::to_string(::getpid());
   std::error_code ec;
-  auto fail = [&](const std::string& what, const std::string& where) {
-    std::filesystem::remove(tmp, ec);
-    throw load_error(load_errc::open_failed, what, where);
-  };
-  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-  if (!out) throw load_error(load_errc::open_failed, "cannot create file", tmp.string());
-  const std::int32_t h[7] = {c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,
-                             c.shared_classifier ? c.vocab_size : -c.vocab_size, c.seq_len};
-  out.write(reinterpret_cast<const char*>(h), sizeof h);
-  const std::size_t d = static_cast<std::size_t>(c.dim), hd = static_cast<std::size_t>(c.hidden_dim),
-                    kv = static_cast<std::size_t>(c.kv_dim()), V = static_cast<std::size_t>(c.vocab_size);
-  auto put = [&](const float* p, std::size_t n) {
-    out.write(reinterpret_cast<const char*>(p), static_cast<std::streamsize>(n * sizeof(float)));
-  };
-  put(embedding_, V * d);
-  for (const auto& w : layers_) put(w.rms_att, d);
-  for (const auto& w : layers_) put(w.wq, d * d);
-  for (const auto& w : layers_) put(w.wk, kv * d);
-  for (const auto& w : layers_) put(w.wv, kv * d);
-  for (const auto& w : layers_) put(w.wo, d * d);
-  for (const auto& w : layers_) put(w.rms_ffn, d);
-  for (const auto& w : layers_) put(w.w1, hd * d);
-  for (const auto& w : layers_) put(w.w2, d * hd);
-  for (const auto& w : layers_) put(w.w3, hd * d);
-  put(rms_final_, d);
-  const std::vector<float> rope(static_cast<std::size_t>(c.seq_len) * static_cast<std::size_t>(c.head_dim()), 0.0f);
-  put(rope.data(), rope.size());
-  if (!c.shared_classifier) put(classifier_, V * d);
-  out.flush();  // a full disk shows here, not in a destructor that cannot report it
-  if (!out) {
-    out.close();
-    fail("write failed (disk full?)", tmp.string());
+  {
+    const auto& c = config_;
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw load_error(load_errc::open_failed, "cannot create file", tmp.string());
+    const std::int32_t h[7] = {c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,
+                               c.shared_classifier ? c.vocab_size : -c.vocab_size, c.seq_len};
+    out.write(reinterpret_cast<const char*>(h), sizeof h);
+    const std::size_t d = static_cast<std::size_t>(c.dim), hd = static_cast<std::size_t>(c.hidden_dim),
+                      kv = static_cast<std::size_t>(c.kv_dim()), V = static_cast<std::size_t>(c.vocab_size);
+    auto put = [&](const float* p, std::size_t n) {
+      out.write(reinterpret_cast<const char*>(p), static_cast<std::streamsize>(n * sizeof(float)));
+    };
+    put(embedding_, V * d);
+    for (const auto& w : layers_) put(w.rms_att, d);
+    for (const auto& w : layers_) put(w.wq, d * d);
+    for (const auto& w : layers_) put(w.wk, kv * d);
+    for (const auto& w : layers_) put(w.wv, kv * d);
+    for (const auto& w : layers_) put(w.wo, d * d);
+    for (const auto& w : layers_) put(w.rms_ffn, d);
+    for (const auto& w : layers_) put(w.w1, hd * d);
+    for (const auto& w : layers_) put(w.w2, d * hd);
+    for (const auto& w : layers_) put(w.w3, hd * d);
+    put(rms_final_, d);
+    const std::vector<float> rope(static_cast<std::size_t>(c.seq_len) * static_cast<std::size_t>(c.head_dim()), 0.0f);
+    put(rope.data(), rope.size());
+    if (!c.shared_classifier) put(classifier_, V * d);
+    out.flush();  // a full disk shows here, not in a destructor that cannot report it
+    if (!out) {
+      out.close();
+      std::filesystem::remove(tmp, ec);
+      throw load_error(load_errc::open_failed, "write failed (disk full?)", path.string());
+    }
   }
-  out.close();
   std::filesystem::rename(tmp, path, ec);
-  if (ec) fail("cannot rename " + tmp.string() + " into place: " + ec.message(), path.string());
+  if (ec) {
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    throw load_error(load_errc::open_failed, "cannot rename " + tmp.string() + " into place: " + ec.message(), path.string());
+  }
 }
 
 // --- Hugging Face ---------------------------------------------------------------------------------

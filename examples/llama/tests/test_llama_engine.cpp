@@ -4,7 +4,8 @@
 // checkpoint validation.
 #include <medusa_llama/llama.hpp>
 
-#include "../src/gemm.hpp"  // private kernels, checked against a naive reference
+#include "../src/gemm.hpp"     // private kernels, checked against a naive reference
+#include "../src/kernels.hpp"  // have_blas
 
 #include <medusa/decoder.hpp>
 #include <medusa/half.hpp>
@@ -19,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -98,7 +100,84 @@ std::vector<float> sequential_logits(engine& e, const std::vector<int>& tokens, 
   return all;
 }
 
+// Bytes of the mapping that holds `p` resident in this process (Rss of its /proc/self/smaps
+// entry); -1 where there is no smaps (not Linux).
+long long resident_bytes_of(const void* p) {
+  std::ifstream in("/proc/self/smaps");
+  if (!in) return -1;
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  std::string line;
+  bool inside = false;
+  while (std::getline(in, line)) {
+    std::uintptr_t lo = 0, hi = 0;
+    char dash = 0;
+    std::istringstream head(line);
+    if (head >> std::hex >> lo >> dash >> hi && dash == '-') {  // "lo-hi perms offset dev inode path"
+      inside = lo <= addr && addr < hi;
+    } else if (inside && line.starts_with("Rss:")) {
+      return std::stoll(line.substr(4)) * 1024;
+    }
+  }
+  return -1;
+}
+
 }  // namespace
+
+TEST_CASE("an engine releases the mapped matrices it packed; the model still reads them unchanged") {
+  fs::create_directories(tmp_dir);
+  model_config c = tiny_config(false);
+  c.dim = 128;
+  c.hidden_dim = 384;
+  c.n_heads = 4;
+  c.vocab_size = 512;
+  const auto owned = model::random(c, 11, 0.2f);
+  const auto path = tmp_dir / "llama_release.bin";
+  owned.save_llama2c(path);
+  const auto m = model::load_llama2c(path);
+  CHECK(m.mapped());
+  CHECK_FALSE(owned.mapped());
+  const std::size_t d = 128, kv = static_cast<std::size_t>(c.kv_dim()), h = 384, V = 512;
+  const std::size_t matrix_bytes = sizeof(float) * (2 * (2 * d * d + 2 * kv * d + 3 * h * d) + V * d);
+  auto same_weights = [&] {
+    bool same = std::equal(owned.classifier(), owned.classifier() + V * d, m.classifier());
+    for (int l = 0; l < 2; ++l) {
+      const auto &a = owned.layer(l), &b = m.layer(l);
+      same = same && std::equal(a.wq, a.wq + d * d, b.wq) && std::equal(a.wk, a.wk + kv * d, b.wk) &&
+             std::equal(a.wv, a.wv + kv * d, b.wv) && std::equal(a.wo, a.wo + d * d, b.wo) &&
+             std::equal(a.w1, a.w1 + h * d, b.w1) && std::equal(a.w2, a.w2 + d * h, b.w2) && std::equal(a.w3, a.w3 + h * d, b.w3);
+    }
+    return same;
+  };
+  REQUIRE(same_weights());  // every page of the file now resident
+  const long long before = resident_bytes_of(m.layer(0).wq);
+  if (before < 0) {
+    MESSAGE("no /proc/self/smaps: residency not checked");
+  } else {
+    CHECK(before >= static_cast<long long>(matrix_bytes));
+  }
+  const auto tokens = random_tokens(9, 512, 3);
+  std::vector<float> want(V), got(V);
+  engine(owned, {.threads = 1, .backend = gemm_backend::builtin}).prefill(tokens, 0, want);
+  {
+    engine e(m, {.threads = 1, .backend = gemm_backend::builtin});
+    if (before >= 0) {
+      // Packed matrices and the classifier left the resident set; the embedding and norms may stay.
+      const long long after = resident_bytes_of(m.layer(0).wq);
+      CAPTURE(before);
+      CAPTURE(after);
+      CHECK(after <= before - static_cast<long long>(matrix_bytes) + 64 * 1024);
+    }
+    e.prefill(tokens, 0, got);
+    CHECK(got == want);  // the same packed weights: bit for bit
+  }
+  CHECK(same_weights());  // read again from the file: unchanged
+  if (before >= 0) CHECK(resident_bytes_of(m.layer(0).wq) >= static_cast<long long>(matrix_bytes));
+  if (detail::have_blas() && before >= 0) {
+    // The OpenBLAS path reads the model's own matrices every pass: they stay resident.
+    engine e(m, {.threads = 1, .backend = gemm_backend::blas});
+    CHECK(resident_bytes_of(m.layer(0).wq) >= static_cast<long long>(matrix_bytes));
+  }
+}
 
 TEST_CASE("llama2c checkpoint round trip keeps config and weights") {
   const auto m = tiny_model(false);

@@ -8,7 +8,10 @@
 
 #include <medusa/error.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -22,6 +25,14 @@
 namespace medusa_train::detail {
 
 using clock_type = std::chrono::steady_clock;
+
+//! Where a file is written before it is renamed over `p` (same directory, so the rename is atomic):
+//! `p.tmp-<pid>-<n>`, unique to this writer, so runs sharing a cache directory never write into
+//! each other's file.
+inline std::filesystem::path temp_beside(const std::filesystem::path& p) {
+  static std::atomic<unsigned> next{0};
+  return p.string() + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(next++);
+}
 
 inline double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
 

@@ -3,6 +3,8 @@
 
 #include <medusa/half.hpp>
 
+#include "common.hpp"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -54,8 +56,7 @@ distill_cache_writer::distill_cache_writer(std::filesystem::path path, std::size
     throw medusa::invalid_input("distill cache: hidden states are stored as f32 or bf16, not f16 (range)");
   if (hidden == 0 || vocab == 0 || hidden > (1u << 24) || vocab > (1u << 30))
     throw medusa::invalid_input("distill cache: bad sizes d=" + std::to_string(hidden) + " V=" + std::to_string(vocab));
-  tmp_ = path_;
-  tmp_ += ".tmp";
+  tmp_ = detail::temp_beside(path_);
   std::error_code ec;
   if (path_.has_parent_path()) std::filesystem::create_directories(path_.parent_path(), ec);
   f_ = std::fopen(tmp_.c_str(), "wb");
@@ -105,7 +106,22 @@ void distill_cache_writer::add(std::span<const std::int32_t> tokens, std::span<c
   bytes_ += bytes;
 }
 
-std::filesystem::path distill_cache_writer::finish() {
+void distill_cache_writer::append(const distill_cache& prior) {
+  if (f_ == nullptr) throw medusa::invalid_input("distill cache: append() after finish()");
+  if (prior.hidden_size() != d_ || prior.vocab_size() != v_ || prior.dtype() != dtype_)
+    throw medusa::invalid_input("distill cache: records of d=" + std::to_string(prior.hidden_size()) + " V=" + std::to_string(prior.vocab_size()) +
+                                " " + std::string(medusa::to_string(prior.dtype())) + " cannot continue a cache of d=" + std::to_string(d_) +
+                                " V=" + std::to_string(v_) + " " + std::string(medusa::to_string(dtype_)));
+  // open() checked that the records fill the file exactly from the header on.
+  const std::size_t n = static_cast<std::size_t>(prior.file_bytes()) - header_bytes;
+  const auto* records = static_cast<const unsigned char*>(prior.map_) + header_bytes;
+  if (n > 0 && std::fwrite(records, 1, n, f_) != n) throw medusa::io_error("cannot write " + tmp_.string() + " (disk full?)");
+  records_ += prior.size();
+  rows_ += prior.rows();
+  bytes_ += n;
+}
+
+std::filesystem::path distill_cache_writer::finish(const std::filesystem::path& as) {
   if (f_ == nullptr) throw medusa::invalid_input("distill cache: finish() called twice");
   unsigned char h[header_bytes] = {};
   std::memcpy(h, magic, 8);
@@ -125,9 +141,14 @@ std::filesystem::path distill_cache_writer::finish() {
     std::filesystem::remove(tmp_, ec);
     throw medusa::io_error("cannot finish " + tmp_.string());
   }
-  std::filesystem::rename(tmp_, path_, ec);
-  if (ec) throw medusa::io_error("cannot rename " + tmp_.string() + " to " + path_.string() + ": " + ec.message());
-  return path_;
+  const std::filesystem::path& to = as.empty() ? path_ : as;
+  std::filesystem::rename(tmp_, to, ec);
+  if (ec) {
+    std::error_code ignored;
+    std::filesystem::remove(tmp_, ignored);
+    throw medusa::io_error("cannot rename " + tmp_.string() + " to " + to.string() + ": " + ec.message());
+  }
+  return to;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ backbone::teacher_row teacher_table::row(std::size_t seq, std::size_t pos) const
 }
 
 void teacher_table::save(const std::filesystem::path& path) const {
-  const auto tmp = std::filesystem::path(path.string() + ".tmp");
+  const auto tmp = detail::temp_beside(path);
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (!f) throw medusa::io_error("cannot create " + tmp.string());
   const std::uint64_t head[3] = {k_, first_.size() - 1, first_.back()};
@@ -149,7 +149,11 @@ void teacher_table::save(const std::filesystem::path& path) const {
     throw medusa::io_error("cannot write " + tmp.string() + " (disk full?)");
   }
   std::filesystem::rename(tmp, path, ec);
-  if (ec) throw medusa::io_error("cannot rename " + tmp.string() + ": " + ec.message());
+  if (ec) {
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    throw medusa::io_error("cannot rename " + tmp.string() + ": " + ec.message());
+  }
 }
 
 std::optional<teacher_table> teacher_table::load(const std::filesystem::path& path, std::span<const backbone_sequence> seqs, std::size_t k) {

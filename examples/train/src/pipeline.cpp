@@ -15,6 +15,7 @@
 #include <medusa_llama/tokenizer.hpp>
 #include <medusa_train/peft_adapter.hpp>
 
+#include <fcntl.h>  // AT_FDCWD
 #include <unistd.h>
 
 #include <algorithm>
@@ -57,16 +58,35 @@ medusa_llama::model load_model(const std::filesystem::path& p) {
 }
 
 void write_text(const std::filesystem::path& p, const std::string& text) {
-  const auto tmp = std::filesystem::path(p.string() + ".tmp");
+  const auto tmp = detail::temp_beside(p);
+  std::error_code ec;
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     out << text;
     out.flush();
-    if (!out) throw medusa::io_error("cannot write " + tmp.string());
+    if (!out) {
+      out.close();
+      std::filesystem::remove(tmp, ec);
+      throw medusa::io_error("cannot write " + tmp.string());
+    }
   }
-  std::error_code ec;
   std::filesystem::rename(tmp, p, ec);
-  if (ec) throw medusa::io_error("cannot rename " + tmp.string() + ": " + ec.message());
+  if (ec) {
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    throw medusa::io_error("cannot rename " + tmp.string() + ": " + ec.message());
+  }
+}
+
+// Swaps two existing directories in one step where the system can (Linux renameat2 with
+// RENAME_EXCHANGE); false where it cannot, and the caller renames in two steps.
+bool exchange_paths(const std::filesystem::path& a, const std::filesystem::path& b) {
+#if defined(__linux__) && defined(RENAME_EXCHANGE)
+  return ::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0;
+#else
+  (void)a, (void)b;
+  return false;
+#endif
 }
 
 // The output directory is built as a hidden sibling and swapped in at the end, so that a failed
@@ -106,8 +126,14 @@ class output_dir {
       std::filesystem::rename(keep_abs, work_ / keep_abs.filename(), ec);
       if (ec) throw medusa::io_error("cannot move " + keep_abs.string() + " into " + work_.string() + ": " + ec.message());
     }
-    const auto old = final_.parent_path() / ("." + final_.filename().string() + ".old-" + std::to_string(::getpid()));
     const bool had_old = std::filesystem::exists(final_, ec);
+    if (had_old && exchange_paths(work_, final_)) {
+      // One atomic step: `final_` is the new output at every instant; `work_` now holds the old one.
+      committed_ = true;
+      std::filesystem::remove_all(work_, ec);
+      return;
+    }
+    const auto old = final_.parent_path() / ("." + final_.filename().string() + ".old-" + std::to_string(::getpid()));
     if (had_old) {
       std::filesystem::rename(final_, old, ec);
       if (ec) throw medusa::io_error("cannot move the previous " + final_.string() + " aside: " + ec.message());
@@ -281,32 +307,66 @@ run_report run_training(const run_options& o, const run_events& ev) {
   rep.cache_file = cache_dir / ("distill-" + rep.key.hex() + ".bin");
 
   // ---- data -----------------------------------------------------------------------------------
+  // A data set the budget cut short lives under its own name (`.partial.bin`), never under the
+  // full one; a later run with the same key continues it (see docs/training.md#cache).
+  const auto partial_file = cache_dir / ("distill-" + rep.key.hex() + ".partial.bin");
   const auto peek = distill_cache::peek_key(rep.cache_file);
   rep.cache_hit = peek && *peek == rep.key.hash;
   if (rep.cache_hit) {
     log("cache hit: " + rep.cache_file.string());
   } else {
-    log("generating " + std::to_string(o.tokens) + " positions of self-distillation data -> " + rep.cache_file.string());
+    std::optional<distill_cache> prior;
+    if (std::filesystem::exists(partial_file, ec)) {
+      // Whatever is wrong with it (truncated, corrupt, other settings), the data starts over and
+      // this run's file replaces it.
+      auto not_reused = [&](const std::string& why) {
+        log("partial cache " + partial_file.string() + " not reused (" + why + "): generating from the start");
+      };
+      try {
+        auto c = distill_cache::open(partial_file);
+        if (c.key_hash() != rep.key.hash)
+          not_reused("its header names other settings, key " + cache_key{{}, c.key_hash()}.hex());
+        else if (c.hidden_size() != static_cast<std::size_t>(cfg.dim) || c.vocab_size() != static_cast<std::size_t>(cfg.vocab_size))
+          not_reused("it holds d=" + std::to_string(c.hidden_size()) + " V=" + std::to_string(c.vocab_size()) + ", the model has d=" +
+                     std::to_string(cfg.dim) + " V=" + std::to_string(cfg.vocab_size));
+        else if (c.dtype() != o.cache_dtype)
+          not_reused("its hidden states are " + std::string(medusa::to_string(c.dtype())) + ", this run stores " +
+                     std::string(medusa::to_string(o.cache_dtype)));
+        else
+          prior.emplace(std::move(c));
+      } catch (const medusa::io_error& e) {
+        not_reused(e.what());
+      }
+    }
+    if (prior)
+      log("resuming " + partial_file.string() + ": " + std::to_string(prior->rows()) + " of " + std::to_string(o.tokens) + " positions in " +
+          std::to_string(prior->size()) + " sequences");
+    log("generating " + std::to_string(o.tokens - (prior ? std::min<std::uint64_t>(o.tokens, prior->rows()) : 0)) +
+        " positions of self-distillation data -> " + rep.cache_file.string());
     medusa_llama::engine e(m, generation_engine(threads, o.draft));
     auto dopt = distill_options_of(o);
     if (deadline) dopt.deadline = t_start + (*deadline - t_start) * 6 / 10;  // leave most of the rest for training
     dopt.on_progress = ev.on_distill;
+    dopt.progress_interval = ev.progress_interval;
     distill_cache_writer w(rep.cache_file, static_cast<std::size_t>(cfg.dim), static_cast<std::size_t>(cfg.vocab_size), o.cache_dtype,
                            rep.key.hash);
-    rep.distill = generate_distill(e, *tok, prompts, dopt, w);
+    rep.distill = generate_distill(e, *tok, prompts, dopt, w, prior ? &*prior : nullptr);
+    const bool resumed = prior.has_value();
+    prior.reset();
     if (rep.distill.deadline_hit) {
-      // A truncated data set must not be mistaken for the full one by a later run.
-      w.finish();
-      const auto partial = cache_dir / ("distill-" + rep.key.hex() + ".partial.bin");
-      std::filesystem::rename(rep.cache_file, partial, ec);
-      if (!ec) rep.cache_file = partial;
-      log("budget: data generation stopped early at " + std::to_string(rep.distill.rows) + " positions (not reusable as a full cache)");
+      // Nothing new after the resumed records: the partial file stays as it is (the writer's copy is dropped).
+      rep.cache_file = resumed && rep.distill.sequences == rep.distill.reused_sequences ? partial_file : w.finish(partial_file);
+      log("budget: data generation stopped early at " + std::to_string(rep.distill.rows) + " of " + std::to_string(o.tokens) +
+          " positions, kept as " + rep.cache_file.filename().string() + " (a later run with the same settings continues it)");
     } else {
       w.finish();
+      std::filesystem::remove(partial_file, ec);  // superseded by the complete data
     }
     write_text(cache_dir / ("distill-" + rep.key.hex() + ".json"), rep.key.json);
-    log("generated " + std::to_string(rep.distill.rows) + " positions in " + std::to_string(rep.distill.sequences) + " sequences, " +
-        fmt("%.1f s", rep.distill.seconds) + fmt(", %.0f tok/s", static_cast<double>(rep.distill.rows) / std::max(1e-9, rep.distill.seconds)) +
+    const std::uint64_t new_rows = rep.distill.rows - rep.distill.reused_rows;
+    log("generated " + std::to_string(new_rows) + " positions in " + std::to_string(rep.distill.sequences - rep.distill.reused_sequences) +
+        " sequences" + (rep.distill.reused_sequences ? " after the " + std::to_string(rep.distill.reused_rows) + " reused" : std::string()) + ", " +
+        fmt("%.1f s", rep.distill.seconds) + fmt(", %.0f tok/s", static_cast<double>(new_rows) / std::max(1e-9, rep.distill.seconds)) +
         fmt(", drafts accepted %.1f%%", rep.distill.drafted ? 100.0 * static_cast<double>(rep.distill.accepted) / static_cast<double>(rep.distill.drafted) : 0.0) +
         fmt(", %.2f tokens/forward", rep.distill.forwards ? static_cast<double>(rep.distill.accepted + rep.distill.forwards) / static_cast<double>(rep.distill.forwards) : 0.0));
   }
@@ -338,6 +398,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
     fo.reserve_seconds = 0;
   }
   fo.on_progress = ev.on_fit;
+  fo.progress_interval = ev.progress_interval;
   if (init_heads) {
     log("heads: " + std::to_string(heads_k) + " x " + std::to_string(trainer.shape().L) + " layers from " + o.init_heads.string() +
         (m2 ? " (no heads-only stage)" : ", trained further"));
@@ -381,6 +442,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
     // adapted model's own held-out data, about 2 s per 1000 held-out positions on pycode-15m.
     jo.reserve_seconds = reserve + 10.0 + 2.0 * static_cast<double>(eval_rows) / 1000.0;
     jo.on_progress = ev.on_joint;
+    jo.progress_interval = ev.progress_interval;
     log("stage 2 (joint): LoRA rank " + std::to_string(o.lora.rank) + fmt(", alpha %g", o.lora.alpha) + fmt(", dropout %g", o.lora.dropout) +
         " on q,k,v,o,gate,up,down (" + std::to_string(lm.params().size()) + " parameters), heads lr " + fmt("%g", o.heads_lr) +
         ", backbone lr " + fmt("%g", o.backbone_lr));

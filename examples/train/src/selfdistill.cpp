@@ -173,7 +173,7 @@ std::vector<int> lookup_draft(std::span<const int> ctx, int ngram, int max_draft
 }
 
 distill_stats generate_distill(medusa_llama::engine& e, const medusa_llama::tokenizer& tok, const prompt_set& prompts,
-                               const distill_options& opt, distill_cache_writer& out) {
+                               const distill_options& opt, distill_cache_writer& out, const distill_cache* resume) {
   const auto& cfg = e.config();
   const auto V = static_cast<std::size_t>(cfg.vocab_size), d = static_cast<std::size_t>(cfg.dim);
   if (opt.gen_len < 3) throw medusa::invalid_input("distill: gen_len must be >= 3, got " + std::to_string(opt.gen_len));
@@ -183,6 +183,9 @@ distill_stats generate_distill(medusa_llama::engine& e, const medusa_llama::toke
   if (opt.draft < 0 || opt.ngram < 1) throw medusa::invalid_input("distill: draft must be >= 0 and ngram >= 1");
   if (tok.vocab_size() != cfg.vocab_size)
     throw medusa::invalid_input("distill: tokenizer has " + std::to_string(tok.vocab_size()) + " tokens, the model " + std::to_string(cfg.vocab_size));
+  if (resume != nullptr && (resume->hidden_size() != d || resume->vocab_size() != V))
+    throw medusa::invalid_input("distill: the cache to resume holds d=" + std::to_string(resume->hidden_size()) + " V=" +
+                                std::to_string(resume->vocab_size()) + ", the model has d=" + std::to_string(d) + " V=" + std::to_string(V));
   const int cap = e.capacity();
   if (opt.prompt_max + 2 >= cap) throw medusa::invalid_input("distill: prompts of " + std::to_string(opt.prompt_max) + " tokens leave no room in a context of " + std::to_string(cap));
   const int max_batch = e.options().max_batch;
@@ -207,6 +210,22 @@ distill_stats generate_distill(medusa_llama::engine& e, const medusa_llama::toke
   auto choose = [&](std::span<const float> z) {
     return opt.temperature > 0 ? medusa::sample_token(z, warp, opt.seed ^ 0xd15711ull, draws++, ws) : medusa::argmax(z);
   };
+  if (resume != nullptr) {
+    // The state after the resumed records, rebuilt from them: the counts that pick the next split,
+    // prompt index per split and, for sampled data, the draw counter (one draw per generated
+    // token: sampling runs without drafts).
+    out.append(*resume);
+    for (std::size_t r = 0; r < resume->size(); ++r) {
+      const auto& rec = (*resume)[r];
+      const std::uint64_t n = rec.tokens.size();
+      ++(rec.which == split::eval ? eval_index : train_index);
+      (rec.which == split::eval ? st.eval_rows : st.train_rows) += n;
+      st.rows += n;
+      draws += n - 1;
+    }
+    st.sequences = st.reused_sequences = resume->size();
+    st.reused_rows = st.rows;
+  }
   while (st.rows < opt.tokens) {
     if (opt.deadline && clock_type::now() >= *opt.deadline) {
       st.deadline_hit = true;
@@ -287,7 +306,7 @@ distill_stats generate_distill(medusa_llama::engine& e, const medusa_llama::toke
       p.sequences = st.sequences;
       p.elapsed = seconds_since(t0);
       p.tokens_per_second = static_cast<double>(generated) / std::max(1e-9, p.elapsed);
-      p.eta = p.elapsed / static_cast<double>(st.rows) * static_cast<double>(opt.tokens - std::min(opt.tokens, st.rows));
+      p.eta = p.elapsed / static_cast<double>(st.rows - st.reused_rows) * static_cast<double>(opt.tokens - std::min(opt.tokens, st.rows));
       opt.on_progress(p);
     }
   }

@@ -19,6 +19,8 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdint>
@@ -28,6 +30,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace fs = std::filesystem;
@@ -324,8 +327,7 @@ TEST_CASE("distill cache: corrupt, truncated and incomplete files are rejected")
     w.add(tok, h, medusa_train::split::train, 1);
     CHECK_THROWS_AS(w.add(tok, std::span<const float>(h).first(3), medusa_train::split::train, 1), medusa::invalid_input);
   }
-  CHECK_FALSE(fs::exists(dir / "unfinished.bin"));
-  CHECK_FALSE(fs::exists(dir / "unfinished.bin.tmp"));
+  for (const auto& e : fs::directory_iterator(dir)) CHECK(e.path().filename().string().find("unfinished") == std::string::npos);
 }
 
 TEST_CASE("lookup drafting proposes what followed the last n-gram") {
@@ -404,6 +406,83 @@ TEST_CASE("whole run on a tiny model: cache reuse and misses, determinism, lossl
     CHECK(out.tokens == plain.tokens);
     CHECK(out.stats.steps <= plain.stats.steps);
   }
+}
+
+TEST_CASE("a budget-cut data cache is continued by the next run: the same data and heads as one uninterrupted run") {
+  const auto dir = scratch("resume");
+  const auto a = make_assets(dir);
+  // The uninterrupted run: the reference data and heads.
+  const auto full = medusa_train::run_training(tiny_options(a, dir / "full"), {});
+  REQUIRE_FALSE(full.distill.deadline_hit);
+  const std::string full_data = slurp(full.cache_file);
+  const std::string full_heads = slurp(dir / "full" / "medusa_heads.safetensors");
+
+  // A run whose budget ends after its second sequence: the progress callback (after every
+  // sequence) sleeps past the data deadline (60 % of the budget from the run's start, which was
+  // before this call), so the cut falls there whatever the machine's speed.
+  auto o = tiny_options(a, dir / "cut");
+  o.cache_dir = dir / "cache";
+  o.budget_seconds = 1.0;
+  medusa_train::run_events ev;
+  ev.progress_interval = 0;
+  ev.on_distill = [](const medusa_train::distill_progress& p) {
+    if (p.sequences == 2) std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  };
+  const auto cut = medusa_train::run_training(o, ev);
+  REQUIRE(cut.distill.deadline_hit);
+  CHECK(cut.distill.sequences == 2);
+  CHECK(cut.cache_file.filename().string().ends_with(".partial.bin"));
+  CHECK_FALSE(fs::exists(o.cache_dir / full.cache_file.filename()));  // never under the complete name
+  const std::string partial = slurp(cut.cache_file);
+  const auto partial_bytes = fs::file_size(cut.cache_file);
+  CHECK(full_data.compare(64, partial_bytes - 64, partial, 64, partial_bytes - 64) == 0);  // the same records so far
+
+  // The next run with the same settings and no budget continues the partial data.
+  o.budget_seconds = 0;
+  o.out = dir / "resumed";
+  std::vector<std::string> lines;
+  ev = {};
+  ev.log = [&](const std::string& s) { lines.push_back(s); };
+  const auto resumed = medusa_train::run_training(o, ev);
+  CHECK_FALSE(resumed.cache_hit);
+  CHECK_FALSE(resumed.distill.deadline_hit);
+  CHECK(resumed.distill.reused_sequences == 2);
+  CHECK(resumed.distill.reused_rows == cut.distill.rows);
+  CHECK(resumed.distill.rows == full.distill.rows);
+  CHECK(resumed.distill.sequences == full.distill.sequences);
+  CHECK(resumed.distill.rows - resumed.distill.reused_rows < full.distill.rows);  // generated less
+  CHECK(std::count_if(lines.begin(), lines.end(), [](const std::string& l) { return l.starts_with("resuming "); }) == 1);
+  CHECK(resumed.cache_file == o.cache_dir / full.cache_file.filename());
+  CHECK(slurp(resumed.cache_file) == full_data);
+  CHECK(slurp(dir / "resumed" / "medusa_heads.safetensors") == full_heads);
+  CHECK_FALSE(fs::exists(cut.cache_file));  // superseded
+  for (const auto& e : fs::directory_iterator(o.cache_dir)) CHECK(e.path().filename().string().find(".tmp") == std::string::npos);
+
+  // A damaged or foreign partial file is reported and replaced, never trusted and never a crash.
+  const auto partial_path = cut.cache_file;
+  auto run_with_partial = [&](const std::string& bytes, const char* expect) {
+    CAPTURE(expect);
+    fs::remove(resumed.cache_file);
+    std::ofstream(partial_path, std::ios::binary) << bytes;
+    lines.clear();
+    o.out = dir / "again";
+    const auto r = medusa_train::run_training(o, ev);
+    CHECK(r.distill.reused_sequences == 0);
+    CHECK(std::count_if(lines.begin(), lines.end(), [&](const std::string& l) {
+            return l.find("not reused") != std::string::npos && l.find(expect) != std::string::npos;
+          }) == 1);
+    CHECK(slurp(r.cache_file) == full_data);
+    CHECK_FALSE(fs::exists(partial_path));
+  };
+  run_with_partial(partial.substr(0, partial.size() - 5), "truncated");
+  run_with_partial(partial.substr(0, 30), "truncated");
+  std::string other = partial;
+  other[40] = static_cast<char>(other[40] ^ 1);  // the key hash of other settings
+  run_with_partial(other, "other settings");
+  std::string corrupt = partial;
+  corrupt[64] = static_cast<char>(0xff);  // a record's row count
+  corrupt[67] = static_cast<char>(0x7f);
+  run_with_partial(corrupt, "record 0");
 }
 
 TEST_CASE("bad options are typed errors") {

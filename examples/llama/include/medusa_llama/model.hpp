@@ -3,7 +3,10 @@
 //! Llama-family model weights: configuration, loaders for llama2.c, Hugging Face and GGUF checkpoints.
 //!
 //! A `model` is an immutable set of float32 weights plus its `model_config`. It is cheap to copy:
-//! copies share the storage (a read-only memory map of the checkpoint, or an owned buffer).
+//! copies share the storage (a read-only memory map of the checkpoint, or an owned buffer), which
+//! lives until the last copy goes. Every pointer stays valid and every value unchanged for that
+//! long; `release_pages` only takes mapped pages out of the resident set (the engines do so for the
+//! matrices they have packed copies of), and a later read maps them in again from the file.
 //! Quantized GGUF tensors are dequantized to float32 on load; `stored()` says what the file held.
 //!
 //! @code
@@ -24,6 +27,10 @@
 #include <vector>
 
 namespace medusa_llama {
+
+namespace detail {
+class mapped_file;
+}  // namespace detail
 
 //! How RoPE pairs the dimensions of a head.
 enum class rope_style {
@@ -122,7 +129,8 @@ class model {
                           const float* rms_final, const float* classifier);
 
   //! Writes the model as a llama2.c checkpoint (negative vocab when the classifier is separate,
-  //! RoPE tables zero-filled). Only adjacent-pair RoPE models round-trip through this format.
+  //! RoPE tables zero-filled), through a temporary file beside `path` renamed over it when
+  //! complete. Only adjacent-pair RoPE models round-trip through this format.
   void save_llama2c(const std::filesystem::path& path) const;
   //! Writes a Hugging Face Llama directory that `load_hf` reads back: `dir/model.safetensors` (F32,
   //! `lm_head.weight` only when the classifier is separate) and `dir/config.json`; creates `dir`.
@@ -150,6 +158,15 @@ class model {
   //! embedding when the classifier is shared).
   [[nodiscard]] stored_type classifier_stored() const noexcept { return classifier_stored_; }
 
+  //! Whether the weights are a read-only memory map of the checkpoint (llama2.c files) rather than
+  //! an owned buffer (Hugging Face, GGUF, `random`, `from_parts`).
+  [[nodiscard]] bool mapped() const noexcept { return mapping_ != nullptr; }
+  //! A hint that `[first, first + count)` of the weights will not be read for a while: for a
+  //! mapped model the whole pages inside the range leave the process's resident set (a later read
+  //! maps them in again from the file: pointers and values stay as they were). Does nothing for
+  //! owned buffers, whose pages cannot be dropped without losing them, and outside the weights.
+  void release_pages(const float* first, std::size_t count) const noexcept;
+
  private:
   model() = default;
   // Pointers in run.c order; without the RoPE tables the classifier follows the final norm.
@@ -157,6 +174,7 @@ class model {
 
   model_config config_;
   std::shared_ptr<const void> storage_;
+  std::shared_ptr<const detail::mapped_file> mapping_;  // storage_ again when that is a file mapping
   const float* embedding_ = nullptr;
   const float* rms_final_ = nullptr;
   const float* classifier_ = nullptr;

@@ -14,8 +14,9 @@
 //! the token at that position and `hidden[j]` the state after it, so `tokens[j+1]` is the base
 //! model's own next token and head k's target is `tokens[j+k+2]`.
 //!
-//! The file is written to `path.tmp` and renamed when complete, so a crash never leaves a file
-//! that looks valid. A JSON manifest beside it (`cache_key`) records what produced the data.
+//! The file is written to a temporary name beside `path` and renamed when complete, so a crash
+//! never leaves a file that looks valid. A JSON manifest beside it (`cache_key`) records what
+//! produced the data.
 //!
 //! @code
 //! medusa_train::distill_cache_writer w("c.bin", 384, 2048, medusa::weight_dtype::bf16, key.hash);
@@ -42,14 +43,17 @@
 
 namespace medusa_train {
 
+class distill_cache;
+
 //! Which part of the data a sequence belongs to.
 enum class split : std::uint32_t { train = 0, eval = 1 };
 
 //! Streams records to a cache file (bounded memory: one record at a time).
 class distill_cache_writer {
  public:
-  //! Opens `path.tmp` for writing. `dtype` is f32 or bf16 (f16 is refused: hidden states can
-  //! exceed its range). Throws `medusa::io_error` / `medusa::invalid_input`.
+  //! Opens a temporary file beside `path` (`path.tmp-<pid>-<n>`) for writing. `dtype` is f32 or
+  //! bf16 (f16 is refused: hidden states can exceed its range). Throws `medusa::io_error` /
+  //! `medusa::invalid_input`.
   distill_cache_writer(std::filesystem::path path, std::size_t hidden, std::size_t vocab, medusa::weight_dtype dtype,
                        std::uint64_t key_hash);
   ~distill_cache_writer();
@@ -58,8 +62,12 @@ class distill_cache_writer {
 
   //! Appends one sequence: `tokens` [n] and `hidden` [n][d] floats (n ≥ 1).
   void add(std::span<const std::int32_t> tokens, std::span<const float> hidden, split s, std::uint32_t prompt_len);
-  //! Writes the header and renames the file to its final name. Returns the path.
-  std::filesystem::path finish();
+  //! Appends every record of `prior` byte for byte (it must have this writer's d, V and dtype,
+  //! else `medusa::invalid_input`): how a cache cut short is continued.
+  void append(const distill_cache& prior);
+  //! Writes the header and renames the file to `as` (empty: the path given at construction; it
+  //! must be in the same directory, for the rename to be atomic). Returns the path.
+  std::filesystem::path finish(const std::filesystem::path& as = {});
 
   //! Records written so far.
   [[nodiscard]] std::uint64_t records() const noexcept { return records_; }
@@ -111,6 +119,7 @@ class distill_cache {
   static std::optional<std::uint64_t> peek_key(const std::filesystem::path& path);
 
  private:
+  friend class distill_cache_writer;  // append() copies the records as mapped
   distill_cache() = default;
   void* map_ = nullptr;
   std::uint64_t bytes_ = 0;

@@ -94,7 +94,7 @@ struct run_report {
   cache_key key;                       //!< what the data depends on
   std::filesystem::path cache_file;    //!< the cache used
   bool cache_hit = false;              //!< reused an existing cache
-  distill_stats distill;               //!< generation (zero on a cache hit)
+  distill_stats distill;               //!< generation (zero on a cache hit; `reused_*`: a `.partial.bin` resumed)
   std::uint64_t cache_rows = 0;        //!< positions in the cache
   std::uint64_t cache_bytes = 0;       //!< cache file size
   fit_result fit;                      //!< training
@@ -117,6 +117,7 @@ struct run_events {
   std::function<void(const distill_progress&)> on_distill;     //!< generation progress
   std::function<void(const fit_progress&)> on_fit;             //!< training progress
   std::function<void(const joint_progress&)> on_joint;         //!< Medusa-2 joint-stage progress
+  double progress_interval = 0.5;  //!< seconds between progress callbacks (0: after every sequence or step)
 };
 
 //! Runs everything (see the file comment). The output directory is written as a temporary

@@ -104,12 +104,15 @@ struct distill_options {
   std::function<void(const distill_progress&)> on_progress;      //!< progress callback
 };
 
-//! What `generate_distill` did.
+//! What `generate_distill` did. The counts of the data (`sequences`, `rows`, `train_rows`,
+//! `eval_rows`) include the records a resumed run reused; the rest is this call's work.
 struct distill_stats {
   std::uint64_t sequences = 0;   //!< records written
   std::uint64_t rows = 0;        //!< positions written
   std::uint64_t train_rows = 0;  //!< positions of train sequences
   std::uint64_t eval_rows = 0;   //!< positions of held-out sequences
+  std::uint64_t reused_sequences = 0;  //!< records copied from the cache resumed (0 without one)
+  std::uint64_t reused_rows = 0;       //!< their positions: `rows - reused_rows` were generated
   std::uint64_t forwards = 0;    //!< model forward calls (prefill chunks excluded)
   std::uint64_t drafted = 0;     //!< draft tokens verified
   std::uint64_t accepted = 0;    //!< draft tokens accepted
@@ -118,10 +121,14 @@ struct distill_stats {
 };
 
 //! Generates continuations until `opt.tokens` positions are stored (or the deadline) and writes
-//! them to `out` (the caller calls `out.finish()`). Throws `medusa::invalid_input` for bad
-//! options; whatever the engine throws.
+//! them to `out` (the caller calls `out.finish()`). With `resume` (the records of an earlier call
+//! with the same model, prompts and options that the deadline cut short), those records are
+//! copied to `out` first and generation goes on after them: the result is byte for byte what one
+//! uninterrupted call writes (a deadline only ever stops between sequences, and each sequence
+//! depends only on its place in the order). Throws `medusa::invalid_input` for bad options or a
+//! `resume` of another shape; whatever the engine throws.
 distill_stats generate_distill(medusa_llama::engine& e, const medusa_llama::tokenizer& tok, const prompt_set& prompts,
-                               const distill_options& opt, distill_cache_writer& out);
+                               const distill_options& opt, distill_cache_writer& out, const distill_cache* resume = nullptr);
 
 //! Draft tokens for prompt-lookup decoding: the (at most `max_draft`) tokens that followed the
 //! most recent earlier occurrence of the last n tokens of `ctx`, trying n = `ngram` down to 1.
