@@ -96,22 +96,11 @@ class paged_engine {
     REQUIRE(b.qo_indptr[0] == 0);
     REQUIRE(b.qo_indptr.back() == static_cast<int>(b.tokens.size()));
     max_requests_in_pass = std::max(max_requests_in_pass, b.size());
-    const std::size_t V = tiny_model::vocab, d = tiny_model::dim;
     for (int i = 0; i < b.size(); ++i) {
       const int r = b.requests[static_cast<std::size_t>(i)];
-      const auto r0 = static_cast<std::size_t>(b.qo_indptr[static_cast<std::size_t>(i)]);
       const int n = b.count(i);
       REQUIRE(n >= 1);
-      medusa::forward_batch f;
-      f.tokens = b.tokens.subspan(r0, static_cast<std::size_t>(n));
-      f.positions = b.positions.subspan(r0, static_cast<std::size_t>(n));
-      f.cache_length = b.cache_lengths[static_cast<std::size_t>(i)];
-      f.tree_mask = b.mask_of(i);
-      f.first_output_row = b.last_row_only ? n - 1 : 0;
-      const std::size_t out0 = b.last_row_only ? static_cast<std::size_t>(i) : r0;
-      const std::size_t rows = static_cast<std::size_t>(n - f.first_output_row);
-      f.logits = b.logits.subspan(out0 * V, rows * V);
-      f.hidden = b.hidden.subspan(out0 * d, rows * d);
+      const medusa::forward_batch f = tiny::request_slice(b, i);
       w_.run(kv_cache(r), f);
       if (corrupt) corrupt(r, f.logits);
     }

@@ -56,23 +56,12 @@ class fault_engine {
   }
 
   void forward(const medusa::ragged_batch& b) {
-    const std::size_t V = tiny_model::vocab, d = tiny_model::dim;
     for (int i = 0; i < b.size(); ++i) {
       const int r = b.requests[static_cast<std::size_t>(i)];
-      const auto r0 = static_cast<std::size_t>(b.qo_indptr[static_cast<std::size_t>(i)]);
       const int n = b.count(i);
       const int L = b.cache_lengths[static_cast<std::size_t>(i)];
       REQUIRE(L + n <= context_);  // never a slot past the context
-      medusa::forward_batch f;
-      f.tokens = b.tokens.subspan(r0, static_cast<std::size_t>(n));
-      f.positions = b.positions.subspan(r0, static_cast<std::size_t>(n));
-      f.cache_length = L;
-      f.tree_mask = b.mask_of(i);
-      f.first_output_row = b.last_row_only ? n - 1 : 0;
-      const std::size_t out0 = b.last_row_only ? static_cast<std::size_t>(i) : r0;
-      const std::size_t rows = static_cast<std::size_t>(n - f.first_output_row);
-      f.logits = b.logits.subspan(out0 * V, rows * V);
-      f.hidden = b.hidden.subspan(out0 * d, rows * d);
+      const medusa::forward_batch f = tiny::request_slice(b, i);
       w_.run(kv_cache(r), f);
       cache& c = caches_.at(static_cast<std::size_t>(r));
       ++c.passes;

@@ -259,4 +259,24 @@ inline sequence_outputs outputs_of(tiny_model& m, const std::vector<std::int32_t
 inline std::vector<float> states_of(tiny_model& m, const std::vector<std::int32_t>& seq) { return outputs_of(m, seq).hidden; }
 
 
+// Request `i` of a ragged batch as the forward_batch a model runs for it alone: its tokens,
+// positions, cache length and mask, and its rows of the batch's logits and hidden states.
+inline medusa::forward_batch request_slice(const medusa::ragged_batch& b, int i) {
+  const std::size_t V = tiny_model::vocab, d = tiny_model::dim;
+  const auto u = static_cast<std::size_t>(i);
+  const auto r0 = static_cast<std::size_t>(b.qo_indptr[u]);
+  const int n = b.count(i);
+  medusa::forward_batch f;
+  f.tokens = b.tokens.subspan(r0, static_cast<std::size_t>(n));
+  f.positions = b.positions.subspan(r0, static_cast<std::size_t>(n));
+  f.cache_length = b.cache_lengths[u];
+  f.tree_mask = b.mask_of(i);
+  f.first_output_row = b.last_row_only ? n - 1 : 0;
+  const std::size_t out0 = b.last_row_only ? u : r0;
+  const std::size_t rows = static_cast<std::size_t>(n - f.first_output_row);
+  f.logits = b.logits.subspan(out0 * V, rows * V);
+  f.hidden = b.hidden.subspan(out0 * d, rows * d);
+  return f;
+}
+
 }  // namespace tiny
