@@ -243,6 +243,13 @@ TEST_CASE("bad calibrations and cost curves are refused with a message") {
                        medusa::invalid_input);
   CHECK_THROWS_WITH_AS((void)medusa::optimize_tree(cal, {.rows = {1}, .seconds = {0.0}}), doctest::Contains("1-token step"),
                        medusa::invalid_input);
+  // Times beyond a physical range would overflow the search's ratios (a predicted speedup of 0).
+  CHECK_THROWS_WITH_AS((void)medusa::optimize_tree(cal, {.rows = {1}, .seconds = {1e-3}, .overhead_seconds = 1e306}),
+                       doctest::Contains("overhead_seconds is 1e+306"), medusa::invalid_input);
+  CHECK_THROWS_WITH_AS((void)medusa::optimize_tree(cal, {.rows = {1}, .seconds = {1e-3}, .head_seconds = 2e6}),
+                       doctest::Contains("head_seconds is 2e+06"), medusa::invalid_input);
+  CHECK_THROWS_WITH_AS((void)medusa::optimize_tree(cal, {.rows = {1, 4}, .seconds = {1e-3, 1e-300}}),
+                       doctest::Contains("4-token step is 1e-300 s"), medusa::invalid_input);
   CHECK_THROWS_WITH_AS((void)medusa::optimize_tree(cal, {.rows = {1}, .seconds = {1.0, 2.0}}), doctest::Contains("2 times"),
                        medusa::invalid_input);
   CHECK_THROWS_WITH_AS((void)medusa::optimize_tree(cal, {.rows = {1}, .seconds = {1.0}}, {.max_nodes = 1}),

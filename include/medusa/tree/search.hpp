@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <queue>
 #include <span>
@@ -278,6 +279,15 @@ class path_counter {
   std::map<std::vector<int>, std::uint64_t> counts_;
 };
 
+namespace detail {
+// A time as a message shows it: "%g" keeps 1e-12 and 1e306 readable where std::to_string does not.
+inline std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", s);
+  return buf;
+}
+}  // namespace detail
+
 //! What a decoding step costs on one machine, model, thread count and weight format: the forward
 //! pass of a step of `rows[i]` tokens takes `seconds[i]` (a plain step is rows = 1), and a Medusa
 //! step adds the heads (`head_seconds` per head the tree reaches) and the work around the model
@@ -289,9 +299,13 @@ struct step_cost_curve {
   double head_seconds = 0;       //!< per head the tree reaches, per step
   double overhead_seconds = 0;   //!< per Medusa step, outside the model and the heads
 
+  //! Shortest and longest time a step or its parts may take, in seconds: outside them a file is
+  //! wrong (or hostile), and the ratios the tree search takes would overflow.
+  static constexpr double min_seconds = 1e-9, max_seconds = 1e6;
+
   //! Throws `invalid_input` naming the problem: no sizes, sizes and times of different lengths,
-  //! rows[0] != 1, sizes not ascending, times not positive and finite, negative head or overhead
-  //! times.
+  //! rows[0] != 1, sizes not ascending, step times outside [`min_seconds`, `max_seconds`], head or
+  //! overhead times negative or above `max_seconds`.
   void validate() const {
     if (rows.empty()) throw invalid_input("step cost: no step sizes");
     if (rows.size() != seconds.size())
@@ -302,14 +316,14 @@ struct step_cost_curve {
       if (i > 0 && rows[i] <= rows[i - 1])
         throw invalid_input("step cost: step sizes must ascend, got " + std::to_string(rows[i - 1]) + " then " +
                             std::to_string(rows[i]));
-      if (!(seconds[i] > 0.0) || !std::isfinite(seconds[i]))
+      if (!(seconds[i] >= min_seconds && seconds[i] <= max_seconds))
         throw invalid_input("step cost: the time of a " + std::to_string(rows[i]) + "-token step is " +
-                            std::to_string(seconds[i]));
+                            detail::seconds_text(seconds[i]) + " s, not in [1e-9, 1e6]");
     }
-    if (!(head_seconds >= 0.0) || !std::isfinite(head_seconds))
-      throw invalid_input("step cost: head_seconds is " + std::to_string(head_seconds));
-    if (!(overhead_seconds >= 0.0) || !std::isfinite(overhead_seconds))
-      throw invalid_input("step cost: overhead_seconds is " + std::to_string(overhead_seconds));
+    if (!(head_seconds >= 0.0 && head_seconds <= max_seconds))
+      throw invalid_input("step cost: head_seconds is " + detail::seconds_text(head_seconds) + ", not in [0, 1e6]");
+    if (!(overhead_seconds >= 0.0 && overhead_seconds <= max_seconds))
+      throw invalid_input("step cost: overhead_seconds is " + detail::seconds_text(overhead_seconds) + ", not in [0, 1e6]");
   }
 
   //! Forward seconds of a step of `n` ≥ 1 tokens.
