@@ -1,16 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Packed-panel projection kernels (see gemm.hpp). The AVX-512 micro-tile keeps MR tokens × NB
-// panels (16 columns each) of float32 accumulators in registers: per k it loads NB weight vectors
-// and broadcasts MR activations (24 FMAs for 11 loads at MR = 8, NB = 3). One or two tokens split
-// k over 2-4 accumulator sets instead, so the single-token GEMV is bound by weight streaming, not
-// FMA latency. Each panel stream is prefetched a few cache lines ahead: with 8 or more tokens the
-// FMAs take as long as the loads, and the hardware prefetcher alone leaves the stream stalling.
+// Packed-panel projections (see gemm.hpp): packing the weights, GGUF's block quantizers, and the
+// routing of a GEMM to the vector kernels of its weight format (simd/), which Highway compiles
+// for every instruction set and picks at run time.
 #include "gemm.hpp"
-#include "gemm_tile.hpp"
 
-#include <medusa/detail/exp2.hpp>
 #include <medusa/half.hpp>
-#include <medusa/heads.hpp>
 
 #include <medusa_llama/thread_pool.hpp>
 
@@ -22,18 +16,11 @@
 #include <new>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace medusa_llama::detail {
 
 namespace {
 constexpr int kPanel = 16;  // output columns per panel
-constexpr int kMaxMR = 8;   // tokens per micro-tile
-constexpr int kPrefetch = 8;  // k steps (cache lines of a float32 panel) to prefetch ahead
 std::size_t sz(int v) { return static_cast<std::size_t>(v); }
-[[maybe_unused]] float silu_mul(float g, float u) { return medusa::silu(g) * u; }
 }  // namespace
 
 std::uint16_t bf16_round(float f) noexcept {
@@ -168,408 +155,26 @@ packed_matrix packed_matrix::swiglu_pair(const float* gate, const float* up, int
   return m;
 }
 
-#if defined(__AVX512F__)
-namespace {
-
-// One micro-tile, float32 weights: MR tokens × NB panels, KS interleaved accumulator sets over k.
-template <int MR, int NB, int KS>
-void tile_f32(const float* P, std::size_t ps, const float* X, std::size_t ldx, int K, float* Y, std::size_t ldy,
-              const int (&cols)[NB], epilogue op) {
-  __m512 acc[KS][MR][NB];
-#pragma GCC unroll 4
-  for (int s = 0; s < KS; ++s)
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_setzero_ps();
-  const float* xr[MR];
-#pragma GCC unroll 8
-  for (int t = 0; t < MR; ++t) xr[t] = X + sz(t) * ldx;
-  int k = 0;
-  for (; k + KS <= K; k += KS) {
-#pragma GCC unroll 4
-    for (int s = 0; s < KS; ++s) {
-      __m512 w[NB];
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) {
-        const float* src = P + sz(b) * ps + sz(k + s) * kPanel;
-        // Past the panel's end this touches the next panel or the allocation's tail: prefetches
-        // never fault.
-        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch * kPanel), _MM_HINT_T0);
-        w[b] = _mm512_load_ps(src);
-      }
-#pragma GCC unroll 8
-      for (int t = 0; t < MR; ++t) {
-        const __m512 x = _mm512_set1_ps(xr[t][k + s]);
-#pragma GCC unroll 3
-        for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_fmadd_ps(w[b], x, acc[s][t][b]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
-    __m512 w[NB];
-#pragma GCC unroll 3
-    for (int b = 0; b < NB; ++b) w[b] = _mm512_load_ps(P + sz(b) * ps + sz(k) * kPanel);
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t) {
-      const __m512 x = _mm512_set1_ps(xr[t][k]);
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(w[b], x, acc[0][t][b]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int s = 1; s < KS; ++s)
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_add_ps(acc[0][t][b], acc[s][t][b]);
-  write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
-}
-
-// One micro-tile, bf16 weights, float32 activations and arithmetic. Each uint32 of a panel holds
-// the bf16 weights of k = 2kp (low half) and 2kp + 1 (high half) of one column; a shift and a mask
-// widen them to float32 exactly. (On the machines measured, vdpbf16ps retires at a quarter of the
-// vfmadd231ps rate, so widening and FMA beats it; and the activations need no rounding.)
-template <int MR, int NB, int KS>
-void tile_bf16(const std::uint16_t* P, std::size_t ps, const float* X, std::size_t ldx, int K, float* Y,
-               std::size_t ldy, const int (&cols)[NB], epilogue op) {
-  __m512 acc[KS][MR][NB];
-#pragma GCC unroll 4
-  for (int s = 0; s < KS; ++s)
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_setzero_ps();
-  const float* xr[MR];
-#pragma GCC unroll 8
-  for (int t = 0; t < MR; ++t) xr[t] = X + sz(t) * ldx;
-  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  const __mmask16 all = 0xffff;  // masked shift: GCC 12's plain one trips -Wmaybe-uninitialized
-  const int KP = K / 2;  // full pairs; an odd K leaves one even k (its odd partner is padding)
-  int kp = 0;
-  for (; kp + KS <= KP; kp += KS) {
-#pragma GCC unroll 4
-    for (int s = 0; s < KS; ++s) {
-      __m512 we[NB], wo[NB];
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) {
-        const std::uint16_t* src = P + sz(b) * ps + sz(kp + s) * 2 * kPanel;
-        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch * 2 * kPanel), _MM_HINT_T0);
-        const __m512i v = _mm512_load_si512(src);
-        we[b] = _mm512_castsi512_ps(_mm512_mask_slli_epi32(v, all, v, 16));
-        wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
-      }
-      const std::size_t k = 2 * sz(kp + s);
-#pragma GCC unroll 8
-      for (int t = 0; t < MR; ++t) {
-        const __m512 xe = _mm512_set1_ps(xr[t][k]), xo = _mm512_set1_ps(xr[t][k + 1]);
-#pragma GCC unroll 3
-        for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_fmadd_ps(wo[b], xo, _mm512_fmadd_ps(we[b], xe, acc[s][t][b]));
-      }
-    }
-  }
-  for (; 2 * kp < K; ++kp) {
-    const bool odd = 2 * kp + 1 < K;
-    __m512 we[NB], wo[NB];
-#pragma GCC unroll 3
-    for (int b = 0; b < NB; ++b) {
-      const __m512i v = _mm512_load_si512(P + sz(b) * ps + sz(kp) * 2 * kPanel);
-      we[b] = _mm512_castsi512_ps(_mm512_mask_slli_epi32(v, all, v, 16));
-      wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
-    }
-    const std::size_t k = 2 * sz(kp);
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t) {
-      const __m512 xe = _mm512_set1_ps(xr[t][k]);
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(we[b], xe, acc[0][t][b]);
-      if (odd) {
-        const __m512 xo = _mm512_set1_ps(xr[t][k + 1]);
-#pragma GCC unroll 3
-        for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_fmadd_ps(wo[b], xo, acc[0][t][b]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int s = 1; s < KS; ++s)
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_add_ps(acc[0][t][b], acc[s][t][b]);
-  write_tile<MR, NB>(acc[0], Y, ldy, cols, op);
-}
-
-#if defined(__AVX512VNNI__)
-// One int8 micro-tile: per 4 k, one 64-byte load per panel (4 k × 16 columns) and one vpdpbusd
-// per token with its 4 activation bytes broadcast; int32 sums, then the column-sum offset
-// removed and the two scales applied.
-template <int MR, int NB, int KS>
-void tile_i8(const std::int8_t* P, std::size_t ps, const float* S, const std::int32_t* C, const std::uint8_t* XQ,
-             std::size_t ldq, const float* sx, float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
-  __m512i acc[KS][MR][NB];
-#pragma GCC unroll 4
-  for (int s = 0; s < KS; ++s)
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_setzero_si512();
-  const int KQ = static_cast<int>(ldq / 4);
-  auto quad = [&](int t, int kq) {
-    std::int32_t v;
-    std::memcpy(&v, XQ + sz(t) * ldq + sz(kq) * 4, sizeof v);
-    return _mm512_set1_epi32(v);
-  };
-  int kq = 0;
-  for (; kq + KS <= KQ; kq += KS) {
-#pragma GCC unroll 4
-    for (int s = 0; s < KS; ++s) {
-      __m512i w[NB];
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) {
-        const std::int8_t* src = P + sz(b) * ps + sz(kq + s) * 4 * kPanel;
-        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch * 4 * kPanel), _MM_HINT_T0);
-        w[b] = _mm512_load_si512(src);
-      }
-#pragma GCC unroll 8
-      for (int t = 0; t < MR; ++t) {
-        const __m512i x = quad(t, kq + s);
-#pragma GCC unroll 3
-        for (int b = 0; b < NB; ++b) acc[s][t][b] = _mm512_dpbusd_epi32(acc[s][t][b], x, w[b]);
-      }
-    }
-  }
-  for (; kq < KQ; ++kq) {
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t) {
-      const __m512i x = quad(t, kq);
-#pragma GCC unroll 3
-      for (int b = 0; b < NB; ++b) acc[0][t][b] = _mm512_dpbusd_epi32(acc[0][t][b], x, _mm512_load_si512(P + sz(b) * ps + sz(kq) * 4 * kPanel));
-    }
-  }
-  __m512 out[MR][NB];
-#pragma GCC unroll 3
-  for (int b = 0; b < NB; ++b) {
-    const __m512 sc = _mm512_loadu_ps(S + sz(b) * kPanel);
-    const __m512i cs = _mm512_loadu_si512(C + sz(b) * kPanel);
-#pragma GCC unroll 8
-    for (int t = 0; t < MR; ++t) {
-      __m512i v = acc[0][t][b];
-#pragma GCC unroll 4
-      for (int s = 1; s < KS; ++s) v = _mm512_add_epi32(v, acc[s][t][b]);
-      const __m512 f = _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), static_cast<__mmask16>(0xffff), _mm512_sub_epi32(v, cs));
-      out[t][b] = _mm512_mul_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(sx[t])));
-    }
-  }
-  write_tile<MR, NB>(out, Y, ldy, cols, op);
-}
-#endif
-
-// k-split: one or two tokens leave too few independent accumulators to cover the FMA latency.
-template <int MR>
-constexpr int ksplit() {
-  return MR == 1 ? 4 : MR == 2 ? 2 : 1;
-}
-
-template <int NB, int MR>
-void tile(const packed_matrix& W, const float* P32, const std::uint16_t* P16, const gemm_input& in, int t0, float* Y,
-          std::size_t ldy, const int (&cols)[NB], epilogue op) {
-  float* y = Y + sz(t0) * ldy;
-  if constexpr (NB == 3) {  // only float32 groups of these have 3 panels (packed_matrix::group_panels)
-    (void)P16;
-    tile_f32<MR, NB, ksplit<MR>()>(P32, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
-  } else if (W.format() == weight_format::bf16) {
-    tile_bf16<MR, NB, ksplit<MR>()>(P16, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
-  } else {
-    tile_f32<MR, NB, ksplit<MR>()>(P32, W.panel_stride(), in.x + sz(t0) * in.ldx, in.ldx, W.in(), y, ldy, cols, op);
-  }
-}
-
-template <int NB>
-void tile_rows(int mr, const packed_matrix& W, const float* P32, const std::uint16_t* P16, const gemm_input& in, int t0,
-               float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
-  switch (mr) {
-    case 1: tile<NB, 1>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 2: tile<NB, 2>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 3: tile<NB, 3>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 4: tile<NB, 4>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 5: tile<NB, 5>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 6: tile<NB, 6>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    case 7: tile<NB, 7>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-    default: tile<NB, 8>(W, P32, P16, in, t0, Y, ldy, cols, op); break;
-  }
-}
-
-#if defined(__AVX512VNNI__)
-template <int NB>
-void tile_rows_i8(int mr, const std::int8_t* P, std::size_t ps, const float* S, const std::int32_t* C, const std::uint8_t* XQ,
-                  std::size_t ldq, const float* sx, float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
-  switch (mr) {
-    case 1: tile_i8<1, NB, 4>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
-    case 2: tile_i8<2, NB, 2>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
-    case 3: tile_i8<3, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
-    case 4: tile_i8<4, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
-    case 5: tile_i8<5, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
-    case 6: tile_i8<6, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
-    case 7: tile_i8<7, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
-    default: tile_i8<8, NB, 1>(P, ps, S, C, XQ, ldq, sx, Y, ldy, cols, op); break;
-  }
-}
-#endif
-
-}  // namespace
-#endif  // __AVX512F__
-
-namespace {
-
-// The activation rows of an int8 GEMM, quantized like the weights: q + 128 as unsigned bytes
-// (`int8_stride(K)` per row, padding 128 = zero) and one scale per row. A row with a non-finite
-// value gets a NaN scale, so its outputs are NaN rather than garbage.
-struct quantized_rows {
-  const std::uint8_t* q;
-  std::size_t ld;
-  const float* scale;
-};
-
-quantized_rows quantize_rows(const gemm_input& in, int K) {
-  thread_local std::vector<std::uint8_t> q;
-  thread_local std::vector<float> scale;
-  const std::size_t ld = int8_stride(K);
-  q.assign(sz(in.T) * ld, 128);
-  scale.assign(sz(in.T), 0.0f);
-  for (int t = 0; t < in.T; ++t) {
-    const float* x = in.x + sz(t) * in.ldx;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int k = 0; k < K; ++k) {
-      finite = finite && std::isfinite(x[k]);
-      amax = std::max(amax, std::abs(x[k]));
-    }
-    if (!finite) {
-      scale[sz(t)] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    const float s = amax / 127.0f;
-    scale[sz(t)] = s;
-    if (s == 0.0f) continue;
-    std::uint8_t* row = q.data() + sz(t) * ld;
-    for (int k = 0; k < K; ++k) row[k] = static_cast<std::uint8_t>(std::clamp(std::nearbyint(x[k] / s), -127.0f, 127.0f) + 128.0f);
-  }
-  return {q.data(), ld, scale.data()};
-}
-
-// Column (p, j) of an int8 matrix against quantized row t: the exact integer dot product, scaled.
-float int8_column(const packed_matrix& W, const quantized_rows& xq, int p, int j, int t) {
-  const std::int8_t* P = W.i8() + sz(p) * W.panel_stride();
-  const std::uint8_t* x = xq.q + sz(t) * xq.ld;
-  std::int32_t acc = 0;
-  for (std::size_t k = 0; k < xq.ld; ++k) acc += (static_cast<std::int32_t>(x[k]) - 128) * P[(k / 4) * 4 * kPanel + sz(j) * 4 + k % 4];
-  return static_cast<float>(acc) * (xq.scale[sz(t)] * W.scales()[sz(p) * kPanel + sz(j)]);
-}
-
-// Portable kernel (no AVX-512, or int8 without AVX512-VNNI): the same arithmetic, column by column.
-[[maybe_unused]] void group_scalar(const packed_matrix& W, const gemm_input& in, const quantized_rows* xq, float* Y,
-                                   std::size_t ldy, int g, epilogue op) {
-  const int K = W.in();
-  const int p0 = W.group_panels() * g, np = std::min(W.group_panels(), W.panels() - p0);
-  auto weight = [&](int p, int j, int k) {
-    if (W.format() == weight_format::f32) return W.f32()[sz(p) * W.panel_stride() + sz(k) * kPanel + sz(j)];
-    return bf16_to_float(W.b16()[sz(p) * W.panel_stride() + sz(k / 2) * 2 * kPanel + sz(j) * 2 + sz(k % 2)]);
-  };
-  auto act = [&](int t, int k) {
-    return in.x[sz(t) * in.ldx + sz(k)];
-  };
-  auto column = [&](int p, int j, int t) {
-    if (xq != nullptr) return int8_column(W, *xq, p, j, t);
-    float s = 0.0f;
-    for (int k = 0; k < K; ++k) s += weight(p, j, k) * act(t, k);
-    return s;
-  };
-  for (int t = 0; t < in.T; ++t) {
-    float* y = Y + sz(t) * ldy;
-    if (op == epilogue::swiglu) {
-      const int c0 = g * kPanel, n = std::min(kPanel, W.rows() - c0);
-      for (int j = 0; j < n; ++j) y[c0 + j] = silu_mul(column(p0, j, t), column(p0 + 1, j, t));
-      continue;
-    }
-    for (int b = 0; b < np; ++b) {
-      const int c0 = (p0 + b) * kPanel, n = std::min(kPanel, W.rows() - c0);
-      for (int j = 0; j < n; ++j) {
-        const float v = column(p0 + b, j, t);
-        y[c0 + j] = op == epilogue::add ? y[c0 + j] + v : v;
-      }
-    }
-  }
-}
-
-}  // namespace
-
 void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op) {
   if (W.blocked()) {
-    gemm_blocks(W, in, Y, ldy, g0, g1, op);
+    if (in.xq != nullptr) {
+      gemm_blocks_simd(W, *in.xq, Y, ldy, g0, g1, op);
+      return;
+    }
+    // Per call: callers sharing an input quantize it once (run_gemm_jobs).
+    thread_local block_rows rows;
+    quantize_blocks(in, W.in(), rows);
+    gemm_blocks_simd(W, rows, Y, ldy, g0, g1, op);
     return;
   }
-  const bool i8 = W.format() == weight_format::int8;
-  quantized_rows xq{};
-  if (i8) xq = quantize_rows(in, W.in());
-#if defined(__AVX512F__)
-#if !defined(__AVX512VNNI__)
-  if (i8) {  // int8 needs vpdpbusd; without it, the portable kernel (same results)
-    for (int g = g0; g < g1; ++g) group_scalar(W, in, &xq, Y, ldy, g, op);
+  if (W.format() == weight_format::int8) {
+    thread_local std::vector<std::uint8_t> q;
+    thread_local std::vector<float> scale;
+    quantize_rows(in, W.in(), q, scale);
+    gemm_int8(W, {q.data(), int8_stride(W.in()), scale.data()}, in.T, Y, ldy, g0, g1, op);
     return;
   }
-#endif
-  const int T = in.T;
-  const int tiles = (T + kMaxMR - 1) / kMaxMR;
-  const int GP = W.group_panels();
-  for (int g = g0; g < g1; ++g) {
-    const int p0 = GP * g;
-    const float* P32 = W.format() == weight_format::f32 ? W.f32() + sz(p0) * W.panel_stride() : nullptr;
-    const std::uint16_t* P16 = W.format() == weight_format::bf16 ? W.b16() + sz(p0) * W.panel_stride() : nullptr;
-    // Balanced token tiles (sizes differ by at most one): each reads the group's panels once.
-    auto run = [&]<int NB>(const int (&cols)[NB], int c0) {
-      for (int i = 0, t0 = 0; i < tiles; ++i) {
-        const int mr = (T - t0) / (tiles - i);
-#if defined(__AVX512VNNI__)
-        if (i8) {
-          tile_rows_i8<NB>(mr, W.i8() + sz(p0) * W.panel_stride(), W.panel_stride(), W.scales() + sz(p0) * kPanel,
-                           W.colsums() + sz(p0) * kPanel, xq.q + sz(t0) * xq.ld, xq.ld, xq.scale + t0, Y + c0 + sz(t0) * ldy,
-                           ldy, cols, op);
-        } else
-#endif
-        {
-          tile_rows<NB>(mr, W, P32, P16, in, t0, Y + c0, ldy, cols, op);
-        }
-        t0 += mr;
-      }
-    };
-    if (W.pair()) {
-      const int c0 = g * kPanel;
-      const int cols[2] = {std::min(kPanel, W.rows() - c0), kPanel};
-      run(cols, c0);
-      continue;
-    }
-    const int c0 = p0 * kPanel;
-    auto cols_of = [&](int b) { return std::min(kPanel, W.rows() - c0 - b * kPanel); };
-    switch (std::min(GP, W.panels() - p0)) {
-      case 3: {
-        const int cols[3] = {kPanel, kPanel, cols_of(2)};
-        run(cols, c0);
-        break;
-      }
-      case 2: {
-        const int cols[2] = {kPanel, cols_of(1)};
-        run(cols, c0);
-        break;
-      }
-      default: {
-        const int cols[1] = {cols_of(0)};
-        run(cols, c0);
-      }
-    }
-  }
-#else
-  for (int g = g0; g < g1; ++g) group_scalar(W, in, i8 ? &xq : nullptr, Y, ldy, g, op);
-#endif
+  gemm_float(W, in, Y, ldy, g0, g1, op);
 }
 
 void run_gemm_jobs(thread_pool& pool, std::span<const gemm_job> jobs) {

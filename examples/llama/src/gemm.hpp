@@ -1,26 +1,27 @@
 // SPDX-License-Identifier: Apache-2.0
 // Private: the projection kernels of the engine on weights packed once at load into 16-column
-// panels (float32 or bf16), read linearly by a register-blocked small-M kernel that streams each
-// panel once per tile of up to 8 tokens (the re-reads for more tokens hit L2).
+// panels, read linearly by register-blocked small-M kernels that stream each panel once per tile
+// of tokens (the re-reads for more tokens hit L2). The kernels are compiled for every instruction
+// set Highway targets and chosen at run time (simd/gemm_float.cpp, simd/gemm_int.cpp; cpu.hpp);
+// a token's results never depend on how many tokens the pass holds.
 //
 // Panel layouts (p = panel, 16 output columns c = 16p + j; K = in):
 //  * f32:  [p][k][j]            float,  K × 16 per panel;
-//  * bf16: [p][k/2][j][k%2]     bf16,   ceil(K/2) × 32 per panel, K padded with 0 (one 512-bit
-//    load = 2 k × 16 columns; a shift and a mask widen them to float32).
+//  * bf16: [p][k/2][j][k%2]     bf16,   ceil(K/2) × 32 per panel, K padded with 0 (64 bytes =
+//    2 k × 16 columns; a shift and a mask widen them to float32).
 //  * int8: [p][k/4][j][k%4]     int8,   ceil(K/4) × 64 bytes per panel, K padded with 0, plus per
 //    column a float scale (w ≈ q · scale, scale = max |w| / 127) and 128 · Σ_k q. The activations
 //    of each row are quantized the same way (x ≈ q_x · s_x) and the products summed exactly in
-//    int32 (AVX512-VNNI `vpdpbusd`: 4 k × 16 columns per instruction, activations offset by 128
-//    to unsigned, the offset removed with the column sums).
+//    int32 (4 k of a column per int32 lane; with AVX512-VNNI `vpdpbusd` the activations are offset
+//    by 128 to unsigned and the offset removed with the column sums).
 //  * q8_0: [p][b][k%32/4][j][k%4] uint8 = q + 128, blocks b of 32 k (K padded to 32 with q = 0),
 //    512 bytes per block; the block's binary16 scales d (w ≈ d · q) in `block_scales()`
 //    [p][b][j]. GGUF Q8_0's numbers in the kernel's order.
 //  * q4_0: [p][b][i][j][k%4] uint8, 4 × 64 bytes per block: the byte holds q of k-quad 2i in
-//    its low nibble and of k-quad 2i + 1 in its high one (q in 0..15, w ≈ d · (q − 8)); one
-//    512-bit load and two masks give two k-quads. Scales as q8_0. GGUF Q4_0's numbers.
+//    its low nibble and of k-quad 2i + 1 in its high one (q in 0..15, w ≈ d · (q − 8)); 64
+//    bytes and two masks give two k-quads. Scales as q8_0. GGUF Q4_0's numbers.
 //    Both block formats take activations quantized per row and block (int8, float scale) and
-//    sum Σ (q_w + offset) · q_x exactly in int32 per block with vpdpbusd, removing the offset
-//    with the activations' block sums (kernels in gemm_blocks.cpp).
+//    sum Σ q_w · q_x exactly in int32 per block (simd/gemm_int.cpp).
 // Rows beyond `rows` in the last panel are zero. A fused SwiGLU matrix interleaves the panels of w1
 // and w3 (panel 2p = w1 panel p, 2p + 1 = w3 panel p).
 #pragma once
@@ -148,6 +149,18 @@ struct block_rows {
 //! Quantizes the `in.T` rows of `K` activations of `in` into `out` (reusing its storage).
 void quantize_blocks(const gemm_input& in, int K, block_rows& out);
 
+//! The activation rows of an int8 GEMM, quantized like the weights: q + 128 as unsigned bytes
+//! (`ld` = `int8_stride(K)` a row, padding 128 = zero) and one scale per row. A row with a
+//! non-finite value gets a NaN scale, so its outputs are NaN rather than garbage.
+struct quantized_rows {
+  const std::uint8_t* q;
+  std::size_t ld;
+  const float* scale;
+};
+
+//! Quantizes the `in.T` rows of `K` activations of `in` for an int8 GEMM into `q` and `scale`.
+void quantize_rows(const gemm_input& in, int K, std::vector<std::uint8_t>& q, std::vector<float>& scale);
+
 //! bf16 elements per packed panel row pair count: `in` rounded up to even.
 [[nodiscard]] inline std::size_t bf16_stride(int in) noexcept { return static_cast<std::size_t>((in + 1) / 2 * 2); }
 //! int8 reduction length: `in` rounded up to a multiple of 4.
@@ -157,10 +170,19 @@ void quantize_blocks(const gemm_input& in, int K, block_rows& out);
 //! (with `epilogue::swiglu` W must be a pair and Y gets silu(gate) · up for its `rows` columns).
 void gemm_packed(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
 
-//! Y (op)= X · Wᵀ for a block-format W over column groups [g0, g1) (gemm_blocks.cpp).
-void gemm_blocks(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
-//! The same arithmetic one column at a time, in plain C++ (the portable path and the tests' reference).
-void gemm_blocks_scalar(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
+//! The vector kernels behind `gemm_packed`, one per weight family (dispatched at run time):
+//! float32 and bf16 weights;
+void gemm_float(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
+//! int8 weights against rows quantized by `quantize_rows`;
+void gemm_int8(const packed_matrix& W, const quantized_rows& xq, int T, float* Y, std::size_t ldy, int g0, int g1,
+               epilogue op);
+//! q8_0 and q4_0 weights against rows quantized by `quantize_blocks`.
+void gemm_blocks_simd(const packed_matrix& W, const block_rows& x, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
+
+//! The arithmetic of `gemm_packed` one column at a time, in plain C++ (gemm_reference.cpp): the
+//! tests' reference. Block formats give the same bits as the vector kernels of targets with fused
+//! multiply-add, the SwiGLU epilogue aside (its exponential is approximated in the kernels).
+void gemm_reference(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op);
 
 //! One GEMM of a fork-join: all column groups of `W` against `in`, into Y (rows `ldy` apart).
 struct gemm_job {

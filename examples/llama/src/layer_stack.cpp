@@ -8,6 +8,7 @@
 #include <medusa/heads.hpp>
 
 #include "kernels.hpp"
+#include "simd/targets.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -94,6 +95,7 @@ void check_tree_mask(const medusa::tree_mask_view& m, int n) {
 }
 
 layer_stack::layer_stack(model mm, const stack_options& o) : m_(std::move(mm)), c_(m_.config()), opt_(o), pool_(o.threads) {
+  apply_cpu_target_environment();
   opt_.threads = pool_.size();
 #if defined(MEDUSA_LLAMA_HAVE_OPENBLAS)
   // The stack splits each GEMM across its own threads; OpenBLAS threads would fight them.
@@ -224,28 +226,14 @@ void layer_stack::swiglu_blas(const float* X, int T) {
       float* Y = W == w.w1 ? h1_.data() : h3_.data();
       if (!linear_rows_blas(W, X, Y, T, d, H, a, b, false)) linear_rows(W, X, Y, T, d, H, a, b, false);
     }
-    for (int t = 0; t < T; ++t) {
-      float* g = h1_.data() + sz(t) * sz(H);
-      const float* u = h3_.data() + sz(t) * sz(H);
-      for (int i = a; i < b; ++i) g[i] = medusa::silu(g[i]) * u[i];
-    }
+    for (int t = 0; t < T; ++t) silu_mul(h1_.data() + sz(t) * sz(H) + a, h3_.data() + sz(t) * sz(H) + a, b - a);
   });
 }
 
 void layer_stack::rope(float* vec, int n_heads_here, int pos) const {
-  const int hd = c_.head_dim(), half = hd / 2;
-  const float* cs = rope_cos_.data() + sz(pos) * sz(half);
-  const float* sn = rope_sin_.data() + sz(pos) * sz(half);
-  for (int h = 0; h < n_heads_here; ++h) {
-    float* v = vec + sz(h) * sz(hd);
-    for (int i = 0; i < half; ++i) {
-      const int a = c_.rope == rope_style::adjacent_pairs ? 2 * i : i;
-      const int b = c_.rope == rope_style::adjacent_pairs ? 2 * i + 1 : i + half;
-      const float v0 = v[a], v1 = v[b];
-      v[a] = v0 * cs[i] - v1 * sn[i];
-      v[b] = v0 * sn[i] + v1 * cs[i];
-    }
-  }
+  const std::size_t half = sz(c_.head_dim() / 2);
+  detail::rope(vec, n_heads_here, c_.head_dim(), rope_cos_.data() + sz(pos) * half, rope_sin_.data() + sz(pos) * half,
+               c_.rope == rope_style::adjacent_pairs);
 }
 
 void layer_stack::embed(std::span<const std::int32_t> tokens) {

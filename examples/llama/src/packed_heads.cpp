@@ -7,6 +7,7 @@
 #include <medusa_llama/thread_pool.hpp>
 
 #include "gemm.hpp"
+#include "kernels.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -47,8 +48,7 @@ struct packed_heads::impl {
         const float* in = l == 0 ? h + sz(m) * sz(d) : x.data() + mk;
         const float* tk = t.data() + mk;
         const float* b = bias.data() + (sz(k) * sz(L) + sz(l)) * sz(d);
-        float* out = x.data() + mk;
-        for (int i = 0; i < d; ++i) out[i] = in[i] + medusa::silu(tk[i] + b[i]);
+        detail::silu_residual(x.data() + mk, in, tk, b, d);
       }
   }
 };
