@@ -30,10 +30,19 @@ inline constexpr float exp2_c1 = 6.931471805599453e-01f;
 //! log2(e), to turn exp(x) into exp2(x · log2e).
 inline constexpr float log2e = 1.44269504088896341f;
 
+//! `c ? a : b` on the bits: a conditional with a constant arm lets g++ thread a branch through the
+//! rest of `exp2_approx` (the clamped values fold to constants), and a loop with a branch does not
+//! vectorise.
+inline float exp2_select(bool c, float a, float b) noexcept {
+  const std::uint32_t m = 0u - static_cast<std::uint32_t>(c);
+  return __builtin_bit_cast(float, (__builtin_bit_cast(std::uint32_t, a) & m) | (__builtin_bit_cast(std::uint32_t, b) & ~m));
+}
+
 MEDUSA_ISA_NAMESPACE_BEGIN
 //! 2^t (see the file comment).
 inline float exp2_approx(float t) noexcept {
-  const float tc = t > -127.0f ? (t < 127.0f ? t : 127.0f) : -127.0f;  // NaN -> -127
+  const float lo = exp2_select(t > -127.0f, t, -127.0f);  // NaN -> -127
+  const float tc = exp2_select(lo < 127.0f, lo, 127.0f);
   // Round to nearest with the 1.5·2^23 trick: exact for |tc| < 2^22, and vectorises everywhere.
   const float n = (tc + 12582912.0f) - 12582912.0f;
   const float f = tc - n;
