@@ -38,20 +38,30 @@
   }
 
 // Inline function bodies that differ with the instruction set a translation unit is compiled for
-// (`#if __AVX512F__` kernels) live in an inline namespace named after that instruction set, so an
-// engine that links translation units built with different `-m` flags gets one definition per
-// instruction set instead of an ODR violation. Define MEDUSA_PORTABLE_KERNELS to force the
-// portable bodies.
+// (`#if MEDUSA_ISA_AVX512` kernels) live in an inline namespace named after that instruction set, so
+// an engine that links translation units built with different `-m` flags gets one definition per
+// instruction set instead of an ODR violation. The levels: AVX-512 (`-march=x86-64-v4` and
+// above), AVX2 with FMA and F16C (`-march=x86-64-v3`), AVX with F16C, portable. Each level also
+// has the intrinsics of the levels below it (MEDUSA_ISA_AVX2 is 1 in an AVX-512 unit). Define
+// MEDUSA_PORTABLE_KERNELS to force the portable bodies.
 #if defined(__AVX512F__) && !defined(MEDUSA_PORTABLE_KERNELS)
 #define MEDUSA_ISA_AVX512 1
+#define MEDUSA_ISA_AVX2 1
 #define MEDUSA_ISA_F16C 1
 #define MEDUSA_ISA_NAMESPACE isa_avx512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MEDUSA_PORTABLE_KERNELS)
+#define MEDUSA_ISA_AVX512 0
+#define MEDUSA_ISA_AVX2 1
+#define MEDUSA_ISA_F16C 1
+#define MEDUSA_ISA_NAMESPACE isa_avx2
 #elif defined(__AVX__) && defined(__F16C__) && !defined(MEDUSA_PORTABLE_KERNELS)
 #define MEDUSA_ISA_AVX512 0
+#define MEDUSA_ISA_AVX2 0
 #define MEDUSA_ISA_F16C 1
 #define MEDUSA_ISA_NAMESPACE isa_avx_f16c
 #else
 #define MEDUSA_ISA_AVX512 0
+#define MEDUSA_ISA_AVX2 0
 #define MEDUSA_ISA_F16C 0
 #define MEDUSA_ISA_NAMESPACE isa_portable
 #endif
@@ -75,11 +85,13 @@ constexpr version_info version() noexcept {
 }
 
 MEDUSA_ISA_NAMESPACE_BEGIN
-//! The instruction set the CPU kernels of this translation unit use: "avx512", "avx_f16c" or
-//! "portable".
+//! The instruction set the CPU kernels of this translation unit use: "avx512", "avx2",
+//! "avx_f16c" or "portable".
 constexpr const char* kernel_isa() noexcept {
 #if MEDUSA_ISA_AVX512
   return "avx512";
+#elif MEDUSA_ISA_AVX2
+  return "avx2";
 #elif MEDUSA_ISA_F16C
   return "avx_f16c";
 #else

@@ -4,15 +4,15 @@
 //! polynomial of `2^f` (truncation error 5e-9, below float rounding) scaled by `2^n` through the
 //! exponent bits. `t` is clamped to [-127, 127]: results below 2^-126.5 are exactly 0 (softmax
 //! weights far below the maximum), NaN gives 0. The scalar form is branch-free, so loops over it
-//! vectorise without -ffast-math (a libm call cannot); the AVX-512 form computes the same
-//! polynomial sixteen lanes at a time. `exp(x) = exp2(x · log2 e)`.
+//! vectorise without -ffast-math (a libm call cannot); the AVX2 and AVX-512 forms compute the same
+//! polynomial eight and sixteen lanes at a time. `exp(x) = exp2(x · log2 e)`.
 #pragma once
 
 #include <medusa/config.hpp>
 
 #include <cstdint>
 
-#if MEDUSA_ISA_AVX512
+#if MEDUSA_ISA_AVX2
 #include <immintrin.h>
 #endif
 
@@ -57,6 +57,26 @@ inline float exp2_approx(float t) noexcept {
   const auto e = static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127);  // [0, 254]; 0 gives 0
   return p * __builtin_bit_cast(float, e << 23);
 }
+
+#if MEDUSA_ISA_AVX2
+//! 2^t on eight lanes, the same polynomial as the scalar form.
+inline __m256 exp2_approx(__m256 t) noexcept {
+  // max(t, lo) gives lo for NaN (the second operand when unordered), as the scalar form.
+  const __m256 tc = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+  const __m256 n = _mm256_round_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(tc, n);
+  __m256 p = _mm256_set1_ps(exp2_c7);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(exp2_c6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(exp2_c5));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(exp2_c4));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(exp2_c3));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(exp2_c2));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(exp2_c1));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+#endif
 
 #if MEDUSA_ISA_AVX512
 //! 2^t on sixteen lanes, the same polynomial as the scalar form.
