@@ -9,6 +9,7 @@
 //    its cost relative to B = 1, N = 1: what batching and trees cost together.
 // With float32 (weights:0), bf16 (1), q8_0 (3) and q4_0 (4) packed weights; backend 2 = OpenBLAS for T > 1.
 // Set MEDUSA_SHARED_DIR to point elsewhere; skipped when the model is absent.
+#include <medusa_llama/cpu.hpp>
 #include <medusa_llama/llama.hpp>
 
 #include <medusa/candidates.hpp>
@@ -98,6 +99,7 @@ void BM_decode(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   const auto fmt = static_cast<weight_format>(state.range(1));
   engine e(*m, {.capacity = 512, .threads = threads, .weights = fmt});
+  state.SetLabel(medusa_llama::cpu_target());  // the kernels' instruction set (MEDUSA_CPU_TARGET limits it)
   std::vector<float> logits(static_cast<std::size_t>(m->config().vocab_size));
   e.prefill(context_tokens(), 0, logits, {});
   int tok = 300;
@@ -148,6 +150,7 @@ void BM_tree_step(benchmark::State& state) {
   const auto backend = static_cast<gemm_backend>(state.range(1));
   const auto fmt = static_cast<weight_format>(state.range(2));
   engine e(*m, {.capacity = 512, .max_batch = 64, .threads = 2, .backend = backend, .weights = fmt});
+  state.SetLabel(medusa_llama::cpu_target());  // the kernels' instruction set (MEDUSA_CPU_TARGET limits it)
   const auto V = static_cast<std::size_t>(m->config().vocab_size);
   std::vector<float> last(V);
   e.prefill(context_tokens(), 0, last, {});
@@ -197,6 +200,7 @@ void BM_batch_step(benchmark::State& state) {
   }
   const int B = static_cast<int>(state.range(0)), n = static_cast<int>(state.range(1));
   batch_engine e(*m, {.max_requests = B, .max_tokens = std::max(256, B * n), .threads = 2});
+  state.SetLabel(medusa_llama::cpu_target());  // the kernels' instruction set (MEDUSA_CPU_TARGET limits it)
   const auto V = static_cast<std::size_t>(m->config().vocab_size), d = static_cast<std::size_t>(m->config().dim);
   const auto ctx = context_tokens();
   std::vector<int> ids(static_cast<std::size_t>(B)), indptr(static_cast<std::size_t>(B) + 1), lengths(ids.size());

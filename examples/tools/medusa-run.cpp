@@ -18,6 +18,7 @@
 #include <medusa/medusa.hpp>
 
 #include <medusa_llama/batch_engine.hpp>
+#include <medusa_llama/cpu.hpp>
 #include <medusa_llama/cuda_engine.hpp>
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/load.hpp>
@@ -508,6 +509,7 @@ int report_batch(const run_args& a, const std::vector<batch_report>& reports, st
       summary["speedup"] = speedup;
     }
     summary["peak_rss_bytes"] = peak_rss_bytes();
+    summary["cpu_target"] = medusa_llama::cpu_target();
     std::printf("%s\n", json_line(summary).c_str());
   } else {
     const auto& last = reports.back();
@@ -857,6 +859,7 @@ int run(run_args a) {
         auto j = to_json(r);
         j["weights"] = weights_json(model.options());
         j["peak_rss_bytes"] = peak_rss_bytes();
+        j["cpu_target"] = medusa_llama::cpu_target();
         std::printf("%s\n", json_line(j).c_str());
       }
       reports.push_back(std::move(r));
@@ -872,6 +875,7 @@ int run(run_args a) {
                      s.new_tokens, s.seconds.total, s.tokens_per_second(), s.mean_accepted(),
                      std::string(medusa::to_string(r.result.reason)).c_str());
       }
+      std::fprintf(stderr, "cpu kernels: %s, %d threads\n", medusa_llama::cpu_target().c_str(), model.threads());
       if (reports.size() == 2) {
         const bool same = reports[0].result.tokens == reports[1].result.tokens;
         const double speedup =

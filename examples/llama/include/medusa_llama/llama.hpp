@@ -4,6 +4,7 @@
 #pragma once
 
 #include <medusa_llama/batch_engine.hpp>
+#include <medusa_llama/cpu.hpp>
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/errors.hpp>
 #include <medusa_llama/model.hpp>
