@@ -1,16 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU tree attention against a naive double-precision reference for every layout and dtype, and
 // against running each root-to-node path as its own causal sequence, for many and few query rows
-// per KV head (the single-row and short row-block kernels). test_attention_portable.cpp
-// includes this file with MEDUSA_PORTABLE_KERNELS defined, to cover the non-SIMD path too.
+// per KV head; a row's bits alone against the same row in any call (what keeps greedy Medusa
+// identical to plain decoding), with the built-in kernels and a caller's. The same file is built
+// again with MEDUSA_PORTABLE_KERNELS (test_attention_portable.cpp) and for x86-64-v3 and
+// x86-64-v4 (test_attention_x86_64_v3.cpp, test_attention_x86_64_v4.cpp).
 #include <medusa/attention.hpp>
 #include <medusa/kv_cache.hpp>
 
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -208,21 +212,22 @@ TEST_CASE_TEMPLATE("few query rows per KV head (row blocks of 1, 2, 3 and a rema
 }
 
 TEST_CASE("a query row gets the same bits whatever the other rows of its call") {
-  // Causal rows [0, n) see the same keys for any chunk length >= n: computed alone in a short
-  // row block or inside a full block of 4, every row's arithmetic is the same, a call with one
-  // row in all included.
+  // Causal rows [0, n) see the same keys for any chunk length >= n: computed alone or among other
+  // rows (shared prefix blocks, shared complete chunk blocks, groups of rows), every row's
+  // arithmetic is the same, a call with one row in all included. Every head dimension, every
+  // build.
   std::mt19937 rng(12);
-  for (int D : {16, 20, 64}) {
+  for (int D : {8, 16, 20, 24, 64, 72}) {
     for (int G : {1, 2, 3}) {
       CAPTURE(D);
       CAPTURE(G);
-      const int hkv = 2, hq = hkv * G, L = 75, nmax = 9;
+      const int hkv = 2, hq = hkv * G, L = D == 24 ? 120 : 75, nmax = D == 8 ? 70 : 9;
       random_problem p(rng, L + nmax, hkv, D, nmax, hq);
       const auto kv = p.view(hkv, D, L + nmax);
       const std::vector<float>& q = p.q;
       std::vector<float> all(q.size());
       medusa::causal_attention(kv, 0, L, q, nmax, hq, all);
-      for (int n = 1; n < nmax; ++n) {
+      for (int n = 1; n < nmax; n += n < 10 ? 1 : 13) {
         CAPTURE(n);
         const auto len = static_cast<std::size_t>(n * hq * D);
         std::vector<float> part(len);
@@ -230,6 +235,41 @@ TEST_CASE("a query row gets the same bits whatever the other rows of its call") 
         CHECK(std::equal(part.begin(), part.end(), all.begin()));
       }
     }
+  }
+}
+
+TEST_CASE("a tree node gets the same bits whatever the other nodes of its tree") {
+  // Nodes are numbered parents first, so the first k nodes of a tree are a tree of their own in
+  // which node i < k sees the same keys: its row must not change with k, nor with the query heads
+  // sharing its KV head, for float caches (read in place or copied) and converted bfloat16 ones.
+  std::mt19937 rng(13);
+  for (int D : {8, 20, 24, 32, 64, 72}) {
+    const int hkv = 2, G = D % 16 == 0 ? 4 : 3, hq = hkv * G, n = 70;
+    const int L = std::uniform_int_distribution<int>(0, 140)(rng);
+    CAPTURE(D);
+    CAPTURE(L);
+    const auto parents = random_parents(rng, n);
+    const int wpr = (n + 31) / 32;
+    const auto words = packed_mask(parents, wpr);
+    random_problem p(rng, L + n, hkv, D, n, hq);
+    std::vector<medusa::bfloat16> kb(p.k.begin(), p.k.end()), vb(p.v.begin(), p.v.end());
+    const auto kv = p.view(hkv, D, L + n, kv_layout::hnd);
+    const auto kvb = medusa::make_kv_view<medusa::bfloat16>(kb, vb, kv_extents{1, hkv, D}, L + n);
+    auto check = [&](const auto& view) {
+      std::vector<float> all(p.q.size());
+      medusa::tree_attention(view, 0, L, p.q, n, hq, medusa::tree_mask_view{words, wpr}, all);
+      for (int k : {1, 2, 5, 33, 64, 65}) {
+        CAPTURE(k);
+        const auto len = static_cast<std::size_t>(k * hq * D);
+        std::vector<float> part(len);
+        medusa::tree_attention(view, 0, L, std::span<const float>(p.q).first(len), k, hq,
+                               medusa::tree_mask_view{std::span(words).first(static_cast<std::size_t>(k * wpr)), wpr},
+                               part);
+        CHECK(std::equal(part.begin(), part.end(), all.begin()));
+      }
+    };
+    check(kv);
+    check(kvb);
   }
 }
 
@@ -277,24 +317,25 @@ TEST_CASE("tree attention equals each root-to-node path run as its own causal se
       for (int t = 0; t < m; ++t)
         std::copy_n(q.begin() + path[static_cast<std::size_t>(t)] * hq * D, hq * D, pq.begin() + t * hq * D);
       medusa::causal_attention(pkv, 0, L, pq, m, hq, pout);
-      for (int x = 0; x < hq * D; ++x)
-        REQUIRE(pout[static_cast<std::size_t>((m - 1) * hq * D + x)] ==
-                doctest::Approx(out[static_cast<std::size_t>(node * hq * D + x)]).epsilon(1e-5));
+      // the last row of the path sees the same keys at the same positions as the node: same bits
+      REQUIRE(std::equal(pout.begin() + (m - 1) * hq * D, pout.end(), out.begin() + node * hq * D));
     }
   }
 }
 
-TEST_CASE("a tree node gets the same bits as its row decoded alone once its ancestors are committed") {
-  // What keeps greedy Medusa identical to plain decoding: the node at depth k of a tree over a
-  // prefix of L slots, and the same query decoded alone (one row, causal) after the prefix and
-  // its k ancestors were committed, see the same keys at the same positions. With AVX-512 (head
-  // dimension a multiple of 16) both take them in the same 64-key position blocks: same bits.
-  std::mt19937 rng(91);
-  for (int trial = 0; trial < 8; ++trial) {
-    const int D = trial % 4 == 3 ? 24 : 64, hkv = 2, G = trial % 2 + 1, hq = hkv * G;
+namespace {
+
+// The node at depth k of a tree over a prefix of L slots, and the same query decoded alone (one
+// row, causal) after the prefix and its k ancestors were committed, see the same keys at the same
+// positions, so they take them in the same 64-key position blocks: same bits, with `kernels`.
+void check_tree_rows_equal_decoded_alone(std::mt19937& rng, int trials, const medusa::attention_kernels* kernels) {
+  for (int trial = 0; trial < trials; ++trial) {
+    const int dims[] = {64, 8, 20, 24, 16, 72, 32, 48};
+    const int D = dims[trial % 8], hkv = 2, G = trial % 3 + 1, hq = hkv * G;
     const int L = std::uniform_int_distribution<int>(0, 140)(rng);
     const int n = std::uniform_int_distribution<int>(2, 90)(rng);
     CAPTURE(D);
+    CAPTURE(G);
     CAPTURE(L);
     CAPTURE(n);
     const auto parents = random_parents(rng, n);
@@ -303,23 +344,160 @@ TEST_CASE("a tree node gets the same bits as its row decoded alone once its ance
     random_problem p(rng, L + n, hkv, D, n, hq);
     const auto kv = p.view(hkv, D, L + n);
     const std::vector<float>& q = p.q;
+    const medusa::attention_options opts{0.0f, kernels};
     std::vector<float> out(q.size());
-    medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{words, wpr}, out);
+    medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{words, wpr}, out, opts);
     for (int node = 0; node < n; ++node) {
+      CAPTURE(node);
       const auto path = root_path(parents, node);
       const int m = static_cast<int>(path.size());
       path_cache pc(kv, L, path, hkv, D);
       const auto& pkv = pc.view;
       std::vector<float> alone(static_cast<std::size_t>(hq * D));
-      medusa::causal_attention(pkv, 0, L + m - 1, std::span<const float>(q).subspan(static_cast<std::size_t>(node * hq * D), alone.size()), 1,
-                               hq, alone);
-      const auto* tree_row = out.data() + static_cast<std::size_t>(node * hq * D);
-      if (MEDUSA_ISA_AVX512 && D % 16 == 0) {
-        REQUIRE(std::equal(alone.begin(), alone.end(), tree_row));
-      } else {
-        for (int x = 0; x < hq * D; ++x) REQUIRE(alone[static_cast<std::size_t>(x)] == doctest::Approx(tree_row[x]).epsilon(1e-5));
-      }
+      medusa::causal_attention(pkv, 0, L + m - 1,
+                               std::span<const float>(q).subspan(static_cast<std::size_t>(node * hq * D), alone.size()),
+                               1, hq, alone, opts);
+      REQUIRE(std::equal(alone.begin(), alone.end(), out.data() + static_cast<std::size_t>(node * hq * D)));
     }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a tree node gets the same bits as its row decoded alone once its ancestors are committed") {
+  // What keeps greedy Medusa identical to plain decoding, for every head dimension and build.
+  std::mt19937 rng(91);
+  check_tree_rows_equal_decoded_alone(rng, 16, nullptr);
+}
+
+namespace {
+
+// A kernel set that counts its calls and runs the built-in kernels.
+std::atomic<long> counted[4];
+constexpr medusa::attention_kernels counting_kernels{
+    [](const float* q, const float* const* keys, int n, int d, float* s) noexcept {
+      ++counted[0];
+      medusa::builtin_attention_kernels().scores(q, keys, n, d, s);
+    },
+    [](float* s, int n, float m) noexcept {
+      ++counted[1];
+      return medusa::builtin_attention_kernels().exp2_sum(s, n, m);
+    },
+    [](const float* p, const float* const* values, int n, int d, float* o) noexcept {
+      ++counted[2];
+      medusa::builtin_attention_kernels().accumulate(p, values, n, d, o);
+    },
+    [](float* o, int d, float a) noexcept {
+      ++counted[3];
+      medusa::builtin_attention_kernels().scale(o, d, a);
+    },
+};
+
+// Plain scalar kernels: sums in order, libm's exp2. Other bits than the built-in set's, the same
+// results to rounding.
+constexpr medusa::attention_kernels scalar_kernels{
+    [](const float* q, const float* const* keys, int n, int d, float* s) noexcept {
+      for (int j = 0; j < n; ++j) {
+        float acc = 0.0f;
+        for (int x = 0; x < d; ++x) acc += q[x] * keys[j][x];
+        s[j] = acc;
+      }
+    },
+    [](float* s, int n, float m) noexcept {
+      float sum = 0.0f;
+      for (int j = 0; j < n; ++j) sum += (s[j] = std::exp2(s[j] - m));
+      return sum;
+    },
+    [](const float* p, const float* const* values, int n, int d, float* o) noexcept {
+      for (int j = 0; j < n; ++j)
+        for (int x = 0; x < d; ++x) o[x] += p[j] * values[j][x];
+    },
+    [](float* o, int d, float a) noexcept {
+      for (int x = 0; x < d; ++x) o[x] *= a;
+    },
+};
+
+}  // namespace
+
+TEST_CASE("a caller's kernel set is the one that runs") {
+  std::mt19937 rng(21);
+  for (int D : {16, 24, 64}) {
+    CAPTURE(D);
+    const int hkv = 2, hq = 4, L = 150, n = 12;
+    random_problem p(rng, L + n, hkv, D, n, hq);
+    const auto kv = p.view(hkv, D, L + n);
+    const auto parents = random_parents(rng, n);
+    const auto words = packed_mask(parents, 1);
+    std::vector<float> a(p.q.size()), b(p.q.size(), 3.0f), c(p.q.size());
+    medusa::tree_attention(kv, 0, L, p.q, n, hq, medusa::tree_mask_view{words, 1}, a);
+    for (auto& x : counted) x = 0;
+    const medusa::attention_options counting{0.0f, &counting_kernels};
+    medusa::tree_attention(kv, 0, L, p.q, n, hq, medusa::tree_mask_view{words, 1}, b, counting);
+    CHECK(a == b);
+    // Every row meets 2 prefix blocks and one block of its tree keys: one scores call each, and as
+    // many exp2 sums and accumulations; a rescale wherever the running maximum grows.
+    CHECK(counted[0] == n * hq * 3);
+    CHECK(counted[1] == n * hq * 3);
+    CHECK(counted[2] == n * hq * 3);
+    CHECK(counted[3] > 0);
+    CHECK(counted[3] <= n * hq * 2);
+    // other kernels, other bits, the same attention
+    const medusa::attention_options scalar{0.0f, &scalar_kernels};
+    medusa::tree_attention(kv, 0, L, p.q, n, hq, medusa::tree_mask_view{words, 1}, c, scalar);
+    check_close(c, reference(kv, 0, L, p.q, n, hq, [&](int i, int j) { return visible(words, 1, i, j); },
+                             1.0f / std::sqrt(static_cast<float>(D))));
+  }
+}
+
+TEST_CASE("with a caller's kernel set too, a tree node gets the same bits as its row decoded alone") {
+  std::mt19937 rng(92);
+  check_tree_rows_equal_decoded_alone(rng, 8, &scalar_kernels);
+  check_tree_rows_equal_decoded_alone(rng, 4, &counting_kernels);
+}
+
+TEST_CASE("a kernel set with a null member is refused before any output is written") {
+  std::vector<float> k(10 * 2 * 8, 0.5f), v(k.size(), 1.0f);
+  const auto kv = medusa::make_kv_view<float>(k, v, kv_extents{1, 2, 8}, 10);
+  std::vector<float> q(3 * 4 * 8, 0.1f), out(q.size(), 5.0f);
+  const std::uint32_t words[] = {0x1u, 0x3u, 0x5u};
+  for (int member = 0; member < 4; ++member) {
+    medusa::attention_kernels bad = medusa::builtin_attention_kernels();
+    const char* name = "";
+    switch (member) {
+      case 0: bad.scores = nullptr, name = "scores"; break;
+      case 1: bad.exp2_sum = nullptr, name = "exp2_sum"; break;
+      case 2: bad.accumulate = nullptr, name = "accumulate"; break;
+      default: bad.scale = nullptr, name = "scale"; break;
+    }
+    CAPTURE(name);
+    try {
+      medusa::tree_attention(kv, 0, 4, q, 3, 4, medusa::tree_mask_view{words, 1}, out, {0.0f, &bad});
+      FAIL("expected kv_cache_error");
+    } catch (const medusa::kv_cache_error& e) {
+      CHECK(e.code() == kv_errc::invalid_shape);
+      CHECK(std::string(e.what()).find(std::string("the ") + name + " function is null") != std::string::npos);
+    }
+    CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == 5.0f; }));
+  }
+  const medusa::attention_kernels none{};
+  CHECK_THROWS_AS(medusa::causal_attention(kv, 0, 4, q, 3, 4, out, {0.0f, &none}), medusa::kv_cache_error);
+  CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == 5.0f; }));
+}
+
+TEST_CASE("a NaN in a key the row sees gives NaN; rows that do not see it are unaffected") {
+  for (int D : {8, 64}) {
+    CAPTURE(D);
+    std::mt19937 rng(16);
+    const int L = 40, n = 3;
+    random_problem p(rng, L + n, 1, D, n, 1);
+    p.k[static_cast<std::size_t>((L + 1) * D)] = std::numeric_limits<float>::quiet_NaN();  // node 1's key
+    const auto kv = p.view(1, D, L + n);
+    const std::uint32_t words[] = {0x1u, 0x3u, 0x5u};  // root 0, children 1 and 2
+    std::vector<float> out(p.q.size());
+    medusa::tree_attention(kv, 0, L, p.q, n, 1, medusa::tree_mask_view{words, 1}, out);
+    CHECK(std::isnan(out[static_cast<std::size_t>(D)]));                     // node 1 sees itself
+    CHECK(std::none_of(out.begin(), out.begin() + D, [](float x) { return std::isnan(x); }));  // the root
+    CHECK(std::none_of(out.begin() + 2 * D, out.end(), [](float x) { return std::isnan(x); }));  // node 2
   }
 }
 
@@ -471,4 +649,58 @@ TEST_CASE("all preset trees (medusa::tree) give path-consistent attention") {
     };
     check_close(out, reference(kv, 0, L, p.q, n, hq, vis, 1.0f / std::sqrt(static_cast<float>(D))));
   }
+}
+
+// --- the examples of attention.hpp and docs/kv_cache.md, as written there -----------------------
+namespace doc_example {
+
+int header_main() {
+  const medusa::kv_extents ext{1, 1, 8};                  // 1 layer, 1 KV head, head_dim 8
+  std::vector<float> k(32 * 8, 0.5f), v(32 * 8, 1.0f);
+  auto kv = medusa::make_kv_view<float>(k, v, ext, 32);
+  // tree: root 0, children 1 and 2 -> rows 0b001, 0b011, 0b101
+  const std::uint32_t mask[] = {0x1, 0x3, 0x5};
+  std::vector<float> q(3 * 2 * 8, 0.1f), out(q.size());   // 3 nodes, 2 query heads
+  medusa::tree_attention(kv, /*layer*/ 0, /*L*/ 10, q, 3, 2, medusa::tree_mask_view{mask, 1}, out);
+  return out[0] == 1.0f ? 0 : 1;                          // every V row is 1
+}
+
+// Plain scalar dot products; any function of the values alone will do.
+void my_scores(const float* q, const float* const* keys, int n, int head_dim, float* s) noexcept {
+  for (int j = 0; j < n; ++j) {
+    float acc = 0.0f;
+    for (int d = 0; d < head_dim; ++d) acc += q[d] * keys[j][d];
+    s[j] = acc;
+  }
+}
+
+void attend(const medusa::kv_cache_view<float>& kv, int L, std::span<const float> q, int num_q_heads,
+            const medusa::tree& tree, std::span<float> out) {
+  static const medusa::attention_kernels kernels = [] {
+    medusa::attention_kernels k = medusa::builtin_attention_kernels();  // the library's, then
+    k.scores = &my_scores;                                              // replace what you have
+    return k;
+  }();
+  medusa::attention_options opts;
+  opts.kernels = &kernels;
+  medusa::tree_attention(kv, 0, L, q, num_q_heads, tree, out, opts);
+}
+
+}  // namespace doc_example
+
+TEST_CASE("the examples of attention.hpp and docs/kv_cache.md run") {
+  CHECK(doc_example::header_main() == 0);
+  std::mt19937 rng(3);
+  const auto t = medusa::tree::preset("vicuna_7b_stage2");
+  const int n = t.num_nodes(), L = 70, hkv = 2, hq = 4, D = 24;
+  random_problem p(rng, L + n, hkv, D, n, hq);
+  const auto kv = p.view(hkv, D, L + n);
+  std::vector<float> out(p.q.size());
+  doc_example::attend(kv, L, p.q, hq, t, out);
+  auto vis = [&t](int i, int j) {
+    for (int u = i; u >= 0; u = t.parent(u))
+      if (u == j) return true;
+    return false;
+  };
+  check_close(out, reference(kv, 0, L, p.q, n, hq, vis, 1.0f / std::sqrt(static_cast<float>(D))));
 }
