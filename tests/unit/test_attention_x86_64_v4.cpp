@@ -1,0 +1,8 @@
+// SPDX-License-Identifier: Apache-2.0
+// The attention tests again, the whole executable built with -march=x86-64-v4 (AVX-512;
+// test_attention_x86_64_v4.cmake): skipped (exit 77) on a CPU without it.
+#define MEDUSA_TEST_X86_LEVEL 4
+#include "x86_level_main.hpp"
+#include "test_attention.cpp"  // NOLINT(bugprone-suspicious-include)
+
+TEST_CASE("this unit runs the AVX-512 kernels") { CHECK(std::string(medusa::kernel_isa()) == "avx512"); }
