@@ -444,6 +444,23 @@ TEST_CASE("kv_cache_error: invalid_shape (attention layer out of range)") {
   CHECK(out == oc);
 }
 
+TEST_CASE("kv_cache_error: invalid_shape (attention kernels with a null member)") {
+  small_cache c;
+  const auto kc = c.k, vc = c.v;
+  std::vector<float> q(2 * 4 * 4, 0.25f), out(q.size(), 9.0f);
+  const auto qc = q, oc = out;
+  medusa::attention_kernels kernels = medusa::builtin_attention_kernels();
+  kernels.exp2_sum = nullptr;
+  auto e = thrown<medusa::kv_cache_error>(
+      [&] { medusa::tree_attention(c.view(), 0, 3, q, 2, 4, medusa::causal_mask{}, out, {0.0f, &kernels}); },
+      {"attention kernels", "exp2_sum"});
+  CHECK(e.code() == kv_errc::invalid_shape);
+  CHECK(c.k == kc);
+  CHECK(c.v == vc);
+  CHECK(q == qc);
+  CHECK(out == oc);
+}
+
 TEST_CASE("kv_cache_error: capacity_exceeded") {
   small_cache c;
   const auto kc = c.k, vc = c.v;
