@@ -8,6 +8,7 @@
 #include <medusa/heads.hpp>
 
 #include "kernels.hpp"
+#include "simd/attention.hpp"
 #include "simd/targets.hpp"
 
 #include <algorithm>
@@ -305,10 +306,12 @@ void layer_stack::run(std::span<const std::int32_t> tokens, std::span<const std:
     const std::size_t r0 = sz(s.row0) * sz(d), rn = sz(s.rows) * sz(d);
     const std::span<const float> qs(q_.data() + r0, rn);
     const std::span<float> out(att_.data() + r0, rn);
+    // The library's attention on the engine's kernels, dispatched to this CPU's instruction set.
+    const medusa::attention_options ao{.kernels = &attention_kernels()};
     if (s.mask.empty())
-      medusa::causal_attention(s.kv, l, s.cache_length, qs, s.rows, c_.n_heads, out, {}, pf);
+      medusa::causal_attention(s.kv, l, s.cache_length, qs, s.rows, c_.n_heads, out, ao, pf);
     else
-      medusa::tree_attention(s.kv, l, s.cache_length, qs, s.rows, c_.n_heads, s.mask, out, {}, pf);
+      medusa::tree_attention(s.kv, l, s.cache_length, qs, s.rows, c_.n_heads, s.mask, out, ao, pf);
   };
   embed(tokens);
   for (int l = 0; l < c_.n_layers; ++l) {
