@@ -116,7 +116,7 @@ struct attention_options {
 // Keep the next loop rolled, or unroll it completely: g++ vectorises some fixed-size lane loops only
 // as loops (unrolled first, they go to the SLP vectoriser, which gives up on them), and keeps a
 // local tile in registers only when every access to it has a constant index.
-#if defined(__GNUC__)
+#if defined(__GNUC__) && !defined(__CUDACC__)  // nvcc's front end rejects GCC pragmas
 #define MEDUSA_ATTN_ROLLED _Pragma("GCC unroll 1")
 #define MEDUSA_ATTN_UNROLLED _Pragma("GCC unroll 64")
 #else
