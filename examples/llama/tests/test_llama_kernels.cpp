@@ -6,11 +6,14 @@
 #include <medusa_llama/cpu.hpp>
 #include <medusa_llama/errors.hpp>
 
-#include "../src/gemm.hpp"     // private kernels
-#include "../src/kernels.hpp"  // private kernels
+#include "../src/gemm.hpp"            // private kernels
+#include "../src/kernels.hpp"         // private kernels
+#include "../src/simd/attention.hpp"  // private kernels
 #include "cpu_targets.hpp"
 
+#include <medusa/attention.hpp>
 #include <medusa/heads.hpp>
+#include <medusa/kv_cache.hpp>
 
 #include <doctest/doctest.h>
 
@@ -210,5 +213,54 @@ TEST_CASE("every instruction set: the element-wise kernels equal plain loops") {
             CHECK(std::abs(v[c] - (v0[a] * sn[sz(i)] + v0[c] * cs[sz(i)])) < 1e-5);
           }
       }
+  });
+}
+
+TEST_CASE("every instruction set: the attention kernels give the library's attention, and a tree node the bits of its row alone") {
+  // A tree of n nodes (parents among the earlier nodes) over L committed slots; head dimensions
+  // with and without a full last vector.
+  for_each_cpu_target([&](const std::string&) {
+    std::mt19937 rng(3);
+    for (int D : {8, 20, 64, 72}) {
+      for (int L : {0, 5, 63, 64, 130}) {
+        CAPTURE(D);
+        CAPTURE(L);
+        const int hkv = 2, hq = 4, n = 21, cap = L + n;
+        std::vector<int> parent(sz(n), -1);
+        for (int i = 1; i < n; ++i) parent[sz(i)] = static_cast<int>(rng() % static_cast<unsigned>(i));
+        std::vector<std::uint32_t> mask(sz(n), 0);
+        for (int i = 0; i < n; ++i)
+          for (int u = i; u >= 0; u = parent[sz(u)]) mask[sz(i)] |= 1u << u;
+        auto k = random_floats(sz(cap * hkv * D), 7), v = random_floats(sz(cap * hkv * D), 8);
+        const auto q = random_floats(sz(n * hq * D), 9);
+        const auto kv = medusa::make_kv_view<float>(k, v, medusa::kv_extents{1, hkv, D}, cap);
+        const medusa::attention_options mine{.kernels = &detail::attention_kernels()};
+        std::vector<float> out(q.size()), ref(q.size());
+        medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{mask, 1}, out, mine);
+        medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{mask, 1}, ref);
+        double err = 0;
+        for (std::size_t i = 0; i < out.size(); ++i) err = std::max(err, static_cast<double>(std::abs(out[i] - ref[i])));
+        CHECK(err < 1e-5);
+        // Node i decoded alone: its ancestors committed in order after the prefix, then the
+        // node as the single causal query.
+        for (int node : {0, 1, n / 2, n - 1}) {
+          std::vector<int> path;
+          for (int u = node; u >= 0; u = parent[sz(u)]) path.insert(path.begin(), u);
+          const int m = static_cast<int>(path.size());
+          std::vector<float> pk(sz((L + m) * hkv * D)), pv(pk.size());
+          std::copy_n(k.begin(), L * hkv * D, pk.begin());
+          std::copy_n(v.begin(), L * hkv * D, pv.begin());
+          for (int t = 0; t < m; ++t) {
+            std::copy_n(k.begin() + (L + path[sz(t)]) * hkv * D, hkv * D, pk.begin() + (L + t) * hkv * D);
+            std::copy_n(v.begin() + (L + path[sz(t)]) * hkv * D, hkv * D, pv.begin() + (L + t) * hkv * D);
+          }
+          const auto pkv = medusa::make_kv_view<float>(pk, pv, medusa::kv_extents{1, hkv, D}, L + m);
+          std::vector<float> alone(sz(hq * D));
+          medusa::causal_attention(pkv, 0, L + m - 1, std::span<const float>(q).subspan(sz(node * hq * D), alone.size()), 1, hq,
+                                   alone, mine);
+          CHECK(std::memcmp(alone.data(), out.data() + sz(node * hq * D), alone.size() * sizeof(float)) == 0);
+        }
+      }
+    }
   });
 }

@@ -12,40 +12,82 @@
 
 #include "simd/ops-inl.h"
 
+#include <algorithm>
 #include <cmath>
 
 HWY_BEFORE_NAMESPACE();
 namespace medusa_llama::detail::HWY_NAMESPACE {
 
-// s[j] = q · keys[j]: four keys at a time (independent sums), each summed over the full vectors
-// of head_dim in order, then across its lanes, then the remaining elements in order.
+// The lane sums of v[0 .. kLanes) as one vector (lane j = the sum of v[j]'s lanes), each vector's
+// lanes added in the same order: pairs, then pairs of pairs, then 128-bit halves.
+HWY_INLINE VF SumsOfLanes(const VF* v) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  // Masked forms with an explicit source: the plain ones trip g++ 12's -Wmaybe-uninitialized.
+  constexpr auto all = static_cast<__mmask16>(0xFFFF);
+  constexpr auto all8 = static_cast<__mmask8>(0xFF);
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_mask_unpacklo_ps(v[2 * i].raw, all, v[2 * i].raw, v[2 * i + 1].raw),
+                         _mm512_mask_unpackhi_ps(v[2 * i].raw, all, v[2 * i].raw, v[2 * i + 1].raw));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_mask_unpacklo_pd(x, all8, x, y)),
+                         _mm512_castpd_ps(_mm512_mask_unpackhi_pd(x, all8, x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_mask_shuffle_f32x4(b[0], all, b[0], b[1], 0x88),
+                                  _mm512_mask_shuffle_f32x4(b[0], all, b[0], b[1], 0xdd));
+  const __m512 c1 = _mm512_add_ps(_mm512_mask_shuffle_f32x4(b[2], all, b[2], b[3], 0x88),
+                                  _mm512_mask_shuffle_f32x4(b[2], all, b[2], b[3], 0xdd));
+  return VF{_mm512_add_ps(_mm512_mask_shuffle_f32x4(c0, all, c0, c1, 0x88), _mm512_mask_shuffle_f32x4(c0, all, c0, c1, 0xdd))};
+#elif HWY_TARGET == HWY_AVX2
+  const __m256 a0 = _mm256_hadd_ps(v[0].raw, v[1].raw), a1 = _mm256_hadd_ps(v[2].raw, v[3].raw);
+  const __m256 a2 = _mm256_hadd_ps(v[4].raw, v[5].raw), a3 = _mm256_hadd_ps(v[6].raw, v[7].raw);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  return VF{_mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31))};
+#elif HWY_TARGET == HWY_SSE4
+  return VF{_mm_hadd_ps(_mm_hadd_ps(v[0].raw, v[1].raw), _mm_hadd_ps(v[2].raw, v[3].raw))};
+#elif HWY_TARGET == HWY_NEON
+  return VF{vpaddq_f32(vpaddq_f32(v[0].raw, v[1].raw), vpaddq_f32(v[2].raw, v[3].raw))};
+#else
+  const DF d;
+  alignas(64) float lanes[kLanes], out[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    hn::Store(v[j], d, lanes);
+    float t[kLanes];
+    for (int i = 0; i < kLanes; ++i) t[i] = lanes[i];
+    for (int w = 1; w < kLanes; w *= 2)
+      for (int i = 0; i + w < kLanes; i += 2 * w) t[i] += t[i + w];
+    out[j] = t[0];
+  }
+  return hn::Load(d, out);
+#endif
+}
+
+// s[j] = q · keys[j]: kLanes keys at a time (a short last group padded with copies of its first
+// key), each summed over the full vectors of head_dim in order, then across its lanes (all of
+// them together, SumsOfLanes), then the remaining elements in order. A score does not depend on
+// its key's place in the block.
 void AttnScores(const float* q, const float* const* keys, int n, int D, float* s) {
   const DF d;
   const int full = D / kLanes * kLanes;
-  auto tail = [&](const float* k, float v) {
-    for (int i = full; i < D; ++i) v = std::fma(q[i], k[i], v);
-    return v;
-  };
-  int j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const float *k0 = keys[j], *k1 = keys[j + 1], *k2 = keys[j + 2], *k3 = keys[j + 3];
-    VF a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
-    for (int i = 0; i < full; i += kLanes) {
-      const VF qv = hn::LoadU(d, q + i);
-      a0 = hn::MulAdd(qv, hn::LoadU(d, k0 + i), a0);
-      a1 = hn::MulAdd(qv, hn::LoadU(d, k1 + i), a1);
-      a2 = hn::MulAdd(qv, hn::LoadU(d, k2 + i), a2);
-      a3 = hn::MulAdd(qv, hn::LoadU(d, k3 + i), a3);
+  for (int j0 = 0; j0 < n; j0 += kLanes) {
+    const int c = std::min(kLanes, n - j0);
+    const float* kr[kLanes];
+    for (int i = 0; i < kLanes; ++i) kr[i] = keys[j0 + (i < c ? i : 0)];
+    VF acc[kLanes];
+    for (int i = 0; i < kLanes; ++i) acc[i] = hn::Zero(d);
+    for (int x = 0; x < full; x += kLanes) {
+      const VF qv = hn::LoadU(d, q + x);
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; ++i) acc[i] = hn::MulAdd(qv, hn::LoadU(d, kr[i] + x), acc[i]);
     }
-    s[j] = tail(k0, hn::GetLane(hn::SumOfLanes(d, a0)));
-    s[j + 1] = tail(k1, hn::GetLane(hn::SumOfLanes(d, a1)));
-    s[j + 2] = tail(k2, hn::GetLane(hn::SumOfLanes(d, a2)));
-    s[j + 3] = tail(k3, hn::GetLane(hn::SumOfLanes(d, a3)));
-  }
-  for (; j < n; ++j) {
-    VF a = hn::Zero(d);
-    for (int i = 0; i < full; i += kLanes) a = hn::MulAdd(hn::LoadU(d, q + i), hn::LoadU(d, keys[j] + i), a);
-    s[j] = tail(keys[j], hn::GetLane(hn::SumOfLanes(d, a)));
+    StoreColumns(d, SumsOfLanes(acc), s + j0, c);
+    if (full < D)
+      for (int i = 0; i < c; ++i) {
+        float v = s[j0 + i];
+        for (int x = full; x < D; ++x) v = std::fma(q[x], kr[i][x], v);
+        s[j0 + i] = v;
+      }
   }
 }
 
