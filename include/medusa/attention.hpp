@@ -131,12 +131,6 @@ inline constexpr int attn_block = 64;  // keys per block: one 64-bit mask word p
 inline constexpr int attn_rows = 4;    // tasks split the rows at multiples of this
 inline constexpr int attn_group = 8;   // rows that run a shared block one step after the other
 inline constexpr int attn_lanes = 8;   // partial sums of the portable dot product and exp2 sum
-// Floats of the portable P·V tile held in registers: 16 vector registers of 4 or 8 floats.
-#if defined(__AVX__)
-inline constexpr int attn_tile = 64;
-#else
-inline constexpr int attn_tile = 32;
-#endif
 // A float cache's shared block is copied into contiguous rows when at least this many query rows
 // read it: the rows of consecutive slots lie the slot stride apart (4 KiB for 8 heads of 128
 // floats) and compete for the same L1 sets, the copies do not; for a few rows the copy costs more
@@ -242,11 +236,12 @@ inline void attn_accumulate_tile(const float* p, std::size_t ldp, const float* c
     for (int c = 0; c < C; ++c) o[r * ldo + static_cast<std::size_t>(d0 + c)] = acc[r][c];
 }
 
-// Tiles of attn_tile floats in all: one row and attn_tile columns, or 4 rows and a quarter of them.
+// Tiles of 64 floats at most (16 SSE or NEON registers, 8 AVX ones): 64, 32 or 16 columns of 1,
+// 2 or 3 to 4 rows; the measured best for one and for four rows on SSE2 and AVX2.
 template <int NR>
 inline void attn_accumulate_portable_rows(const float* p, std::size_t ldp, const float* const* values, int n, int D,
                                           float* o, std::size_t ldo) noexcept {
-  constexpr int C = attn_tile / NR;
+  constexpr int C = NR == 1 ? 64 : NR == 2 ? 32 : 16;
   int d0 = 0;
   for (; d0 + C <= D; d0 += C) attn_accumulate_tile<NR, C>(p, ldp, values, n, d0, o, ldo);
   for (; d0 + 8 <= D; d0 += 8) attn_accumulate_tile<NR, 8>(p, ldp, values, n, d0, o, ldo);
