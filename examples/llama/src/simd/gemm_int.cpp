@@ -8,9 +8,10 @@
 // and the quantization of the activations for both.
 //
 // Every target computes the same exact int32 sums Σ q_w · q_x, by its own instructions:
-//  * AVX512-VNNI `vpdpbusd` (unsigned × signed bytes, 4 products per int32 lane): the unsigned
-//    side carries an offset (weights + 128 or + 8, int8 activations + 128), removed afterwards
-//    with the other side's sums;
+//  * VNNI `vpdpbusd` (unsigned × signed bytes, 4 products per int32 lane: AVX512-VNNI on AVX3_DL,
+//    and on AVX3 and AVX2 where the CPU has AVX512-VNNI or AVX-VNNI beside them): the unsigned side
+//    carries an offset (weights + 128 or + 8, int8 activations + 128), removed afterwards with the
+//    other side's sums;
 //  * AVX-512BW, AVX2 and SSE4 `pmaddubsw` + `pmaddwd` (ggml's sequence): |a| × sign(b, a), pairs
 //    of products summed in int16 (at most 2 · 128 · 127, no saturation), then in int32;
 //  * NEON `smull` + pairwise adds; the portable EMU128 target lane by lane.
@@ -24,6 +25,7 @@
 #include <hwy/highway.h>
 
 #include "simd/ops-inl.h"
+#include "simd/targets.hpp"
 
 #include "gemm.hpp"
 
@@ -36,14 +38,32 @@ HWY_BEFORE_NAMESPACE();
 namespace medusa_llama::detail::HWY_NAMESPACE {
 namespace {
 
-// True where the bytes are multiplied by vpdpbusd (one operand unsigned, with an offset).
-constexpr bool kVnni = HWY_TARGET == HWY_AVX3_DL;
+// Targets that may multiply the bytes with vpdpbusd (one operand unsigned, with an offset):
+// AVX3_DL always, AVX3 and AVX2 where the CPU has AVX512-VNNI or AVX-VNNI beside them.
+constexpr bool kMayVnni = HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2;
 
-// acc + Σ over each int32 lane's 4 bytes of u8(u) · s8(s) (vpdpbusd; VNNI targets only).
-HWY_INLINE VI DotUnsigned(VI acc, VI u, VI s) {
+bool use_vnni() {
 #if HWY_TARGET == HWY_AVX3_DL
+  return true;
+#elif HWY_TARGET == HWY_AVX3
+  return vnni_extension_allowed() && cpu_has_avx512_vnni();
+#elif HWY_TARGET == HWY_AVX2
+  return vnni_extension_allowed() && cpu_has_avx_vnni();
+#else
+  return false;
+#endif
+}
+
+// acc + Σ over each int32 lane's 4 bytes of u8(u) · s8(s) (vpdpbusd; written as assembly so that
+// the AVX3 and AVX2 targets need not be compiled for the extension, which they check at run time).
+HWY_INLINE VI DotUnsigned(VI acc, VI u, VI s) {
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
   __m512i r = acc.raw;
   __asm__("vpdpbusd %2, %1, %0" : "+v"(r) : "v"(u.raw), "v"(s.raw));
+  return VI{r};
+#elif HWY_TARGET == HWY_AVX2
+  __m256i r = acc.raw;
+  __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(r) : "x"(u.raw), "x"(s.raw));
   return VI{r};
 #else
   (void)u, (void)s;
@@ -112,7 +132,7 @@ struct Int8TileFits {
 
 // One int8 micro-tile: per 4 k, one row of 64 bytes per panel (4 k × 16 columns) against each
 // token's 4 activation bytes; then the scales. XQ holds q_x + 128 (`ldq` bytes a row, padding 128).
-template <int MR, int NB>
+template <int MR, int NB, bool Vnni>
 HWY_NOINLINE void TileI8(const std::int8_t* HWY_RESTRICT P, std::size_t ps, const float* S, const std::int32_t* C,
                          const std::uint8_t* XQ, std::size_t ldq, const float* sx, float* Y, std::size_t ldy,
                          const int (&cols)[NB], epilogue op) {
@@ -135,7 +155,7 @@ HWY_NOINLINE void TileI8(const std::int8_t* HWY_RESTRICT P, std::size_t ps, cons
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) {
         w[b * V + v] = hn::Load(di, reinterpret_cast<const std::int32_t*>(src) + v * kLanes);
-        if constexpr (!kVnni) aw[b * V + v] = AbsBytes(w[b * V + v]);
+        if constexpr (!Vnni) aw[b * V + v] = AbsBytes(w[b * V + v]);
       }
     }
 #pragma GCC unroll 8
@@ -143,7 +163,7 @@ HWY_NOINLINE void TileI8(const std::int8_t* HWY_RESTRICT P, std::size_t ps, cons
       const VI x = QuadOf(xq + sz(t) * ldq + sz(kq) * 4);  // q_x + 128
 #pragma GCC unroll 12
       for (int i = 0; i < NB * V; ++i) {
-        if constexpr (kVnni)
+        if constexpr (Vnni)
           acc[t][i] = DotUnsigned(acc[t][i], x, w[i]);  // Σ (q_x + 128) q_w
         else
           acc[t][i] = DotSigned(acc[t][i], aw[i], w[i], XorBytes(x, 0x80));  // Σ q_w q_x
@@ -157,7 +177,7 @@ HWY_NOINLINE void TileI8(const std::int8_t* HWY_RESTRICT P, std::size_t ps, cons
     for (int v = 0; v < V; ++v) {
       const std::size_t c = sz(b) * 16 + sz(v * kLanes);
       const VF sc = hn::LoadU(df, S + c);
-      const VI cs = kVnni ? hn::LoadU(di, C + c) : hn::Zero(di);  // 128 · Σ q_w
+      const VI cs = Vnni ? hn::LoadU(di, C + c) : hn::Zero(di);  // 128 · Σ q_w
 #pragma GCC unroll 8
       for (int t = 0; t < MR; ++t) {
         const VF f = hn::ConvertTo(df, hn::Sub(acc[t][b * V + v], cs));
@@ -180,7 +200,7 @@ struct BlockTileFits {
 // One micro-tile: MR tokens × NB panels, all blocks of K. With VNNI the weight bytes are unsigned
 // (q8_0: q + 128; q4_0: q + 8) and the block's offset · Σ q_x is subtracted; elsewhere q8_0 bytes
 // are made signed (xor 128) and q4_0's 0..15 multiply as they are, so only q4_0 needs the offset.
-template <int MR, int NB, bool Q4>
+template <int MR, int NB, bool Q4, bool Vnni>
 HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps, const std::uint16_t* S, std::size_t ss,
                              const block_rows& x, int t0, float* Y, std::size_t ldy, const int (&cols)[NB], epilogue op) {
   const DI di;
@@ -192,7 +212,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
   constexpr std::size_t block_bytes = Q4 ? 256 : 512;
   // The offset removed per block: o · Σ q_x (as a shift).
   constexpr int shift = Q4 ? 3 : 7;
-  constexpr bool offset = Q4 || kVnni;
+  constexpr bool offset = Q4 || Vnni;
   VF facc[MR][NB * V];
 #pragma GCC unroll 4
   for (int t = 0; t < MR; ++t)
@@ -229,7 +249,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
           const VI xa = QuadOf(xr[t] + (q0 + 2 * sz(i)) * 4), xb = QuadOf(xr[t] + (q0 + 2 * sz(i) + 1) * 4);
 #pragma GCC unroll 6
           for (int j = 0; j < NB * V; ++j) {
-            if constexpr (kVnni)
+            if constexpr (Vnni)
               acc[t][j] = DotUnsigned(DotUnsigned(acc[t][j], w0[j], xa), w1[j], xb);
             else  // weights 0..15: their own absolute values
               acc[t][j] = DotSigned(DotSigned(acc[t][j], w0[j], w0[j], xa), w1[j], w1[j], xb);
@@ -247,7 +267,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
 #pragma GCC unroll 4
           for (int v = 0; v < V; ++v) {
             w[b * V + v] = hn::BitCast(di, hn::Load(d8, src + v * 4 * kLanes));
-            if constexpr (!kVnni) {
+            if constexpr (!Vnni) {
               w[b * V + v] = XorBytes(w[b * V + v], 0x80);  // q
               aw[b * V + v] = AbsBytes(w[b * V + v]);
             }
@@ -258,7 +278,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
           const VI xq = QuadOf(xr[t] + (q0 + sz(kq)) * 4);
 #pragma GCC unroll 6
           for (int j = 0; j < NB * V; ++j) {
-            if constexpr (kVnni)
+            if constexpr (Vnni)
               acc[t][j] = DotUnsigned(acc[t][j], w[j], xq);
             else
               acc[t][j] = DotSigned(acc[t][j], aw[j], w[j], xq);
@@ -324,18 +344,28 @@ void for_each_tile(const packed_matrix& W, int T, int g0, int g1, int tokens_max
 void GemmInt8(const packed_matrix& W, const quantized_rows& xq, int T, float* Y, std::size_t ldy, int g0, int g1,
               epilogue op) {
   const std::size_t ps = W.panel_stride();
+  const bool vnni = use_vnni();
   for_each_tile(W, T, g0, g1, kMaxTokensI8, kPanelVectors, [&](int mr, int t0, int p, int nb, const int* cols, int c0) {
     WithTile<Int8TileFits>(mr, nb, [&]<int MR, int NB>() {
       int c[NB];
       for (int b = 0; b < NB; ++b) c[b] = cols[b];
-      TileI8<MR, NB>(W.i8() + sz(p) * ps, ps, W.scales() + sz(p) * 16, W.colsums() + sz(p) * 16, xq.q + sz(t0) * xq.ld,
-                     xq.ld, xq.scale + t0, Y + sz(t0) * ldy + sz(c0), ldy, c, op);
+      auto run = [&]<bool Vnni>() {
+        TileI8<MR, NB, Vnni>(W.i8() + sz(p) * ps, ps, W.scales() + sz(p) * 16, W.colsums() + sz(p) * 16,
+                             xq.q + sz(t0) * xq.ld, xq.ld, xq.scale + t0, Y + sz(t0) * ldy + sz(c0), ldy, c, op);
+      };
+      if constexpr (HWY_TARGET == HWY_AVX3_DL)
+        run.template operator()<true>();
+      else if (kMayVnni && vnni)
+        run.template operator()<kMayVnni>();
+      else
+        run.template operator()<false>();
     });
   });
 }
 
 void GemmBlocks(const packed_matrix& W, const block_rows& x, float* Y, std::size_t ldy, int g0, int g1, epilogue op) {
   const bool q4 = W.format() == weight_format::q4_0;
+  const bool vnni = use_vnni();
   const std::size_t ss = sz(x.blocks) * 16;
   for_each_tile(W, x.T, g0, g1, kMaxTokensBlocks, 2 * kPanelVectors,
                 [&](int mr, int t0, int p, int nb, const int* cols, int c0) {
@@ -345,10 +375,18 @@ void GemmBlocks(const packed_matrix& W, const block_rows& x, float* Y, std::size
                     const std::uint8_t* P = W.u8() + sz(p) * W.panel_bytes();
                     const std::uint16_t* S = W.block_scales() + sz(p) * ss;
                     float* y = Y + sz(t0) * ldy + sz(c0);
-                    if (q4)
-                      TileBlocks<MR, NB, true>(P, W.panel_bytes(), S, ss, x, t0, y, ldy, c, op);
+                    auto run = [&]<bool Vnni>() {
+                      if (q4)
+                        TileBlocks<MR, NB, true, Vnni>(P, W.panel_bytes(), S, ss, x, t0, y, ldy, c, op);
+                      else
+                        TileBlocks<MR, NB, false, Vnni>(P, W.panel_bytes(), S, ss, x, t0, y, ldy, c, op);
+                    };
+                    if constexpr (HWY_TARGET == HWY_AVX3_DL)
+                      run.template operator()<true>();
+                    else if (kMayVnni && vnni)
+                      run.template operator()<kMayVnni>();
                     else
-                      TileBlocks<MR, NB, false>(P, W.panel_bytes(), S, ss, x, t0, y, ldy, c, op);
+                      run.template operator()<false>();
                   });
                 });
 }

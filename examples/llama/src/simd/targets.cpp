@@ -22,6 +22,7 @@ HWY_AFTER_NAMESPACE();
 #include "simd/targets.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <mutex>
@@ -32,6 +33,8 @@ namespace detail {
 HWY_EXPORT(DispatchedTarget);
 
 namespace {
+
+std::atomic<bool> vnni_allowed{true};
 
 std::string upper(std::string_view s) {
   std::string r(s);
@@ -45,36 +48,72 @@ std::int64_t available() {
   return mask;
 }
 
-std::vector<std::int64_t> available_list() {
-  std::vector<std::int64_t> r;
-  for (std::int64_t m = available(); m != 0; m &= m - 1) r.push_back(m & -m);  // lowest bit = best
+// A named choice: a Highway target, and whether its integer kernels use the VNNI extension.
+struct choice {
+  std::string name;
+  std::int64_t target;
+  bool vnni;
+};
+
+// Every choice this build and CPU offer, best first: Highway's targets, and before AVX3 and AVX2
+// their "_VNNI" variants where the CPU has the extension.
+std::vector<choice> choices() {
+  std::vector<choice> r;
+  for (std::int64_t m = available(); m != 0; m &= m - 1) {
+    const std::int64_t t = m & -m;  // lowest bit = best
+    const std::string name = hwy::TargetName(t);
+#if HWY_ARCH_X86
+    if ((t == HWY_AVX3 && cpu_has_avx512_vnni()) || (t == HWY_AVX2 && cpu_has_avx_vnni())) r.push_back({name + "_VNNI", t, true});
+#endif
+    r.push_back({name, t, t != HWY_AVX3 && t != HWY_AVX2});
+  }
   return r;
 }
 
-std::string names(const std::vector<std::int64_t>& targets) {
+std::string names() {
   std::string s;
-  for (auto t : targets) s += (s.empty() ? "" : ", ") + std::string(hwy::TargetName(t));
+  for (const auto& c : choices()) s += (s.empty() ? "" : ", ") + c.name;
   return s;
 }
 
 void limit(std::string_view name, const std::string& source) {
-  (void)available();
   const std::string want = upper(name);
   if (want == "BEST") {
     hwy::DisableTargets(0);
+    vnni_allowed = true;
     return;
   }
-  for (auto t : available_list())
-    if (want == hwy::TargetName(t)) {
-      hwy::DisableTargets(t - 1);  // every better target (lower bits)
+  for (const auto& c : choices())
+    if (want == c.name) {
+      hwy::DisableTargets(c.target - 1);  // every better target (lower bits)
+      vnni_allowed = c.vnni;
       return;
     }
   throw engine_error(engine_errc::bad_option, source + "instruction set \"" + std::string(name) +
-                                                  "\" is not one this build and CPU run: " + names(available_list()) +
-                                                  ", or best");
+                                                  "\" is not one this build and CPU run: " + names() + ", or best");
 }
 
 }  // namespace
+
+bool vnni_extension_allowed() noexcept { return vnni_allowed.load(std::memory_order_relaxed); }
+
+bool cpu_has_avx_vnni() noexcept {
+#if HWY_ARCH_X86 && defined(__GNUC__)
+  static const bool has = __builtin_cpu_supports("avxvnni");
+  return has;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512_vnni() noexcept {
+#if HWY_ARCH_X86 && defined(__GNUC__)
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+#else
+  return false;
+#endif
+}
 
 void apply_cpu_target_environment() {
   static std::once_flag once;
@@ -89,12 +128,19 @@ void apply_cpu_target_environment() {
 
 std::string cpu_target() {
   detail::apply_cpu_target_environment();
-  return hwy::TargetName(HWY_DYNAMIC_DISPATCH(detail::DispatchedTarget)());
+  const std::int64_t t = HWY_DYNAMIC_DISPATCH(detail::DispatchedTarget)();
+  std::string name = hwy::TargetName(t);
+#if HWY_ARCH_X86
+  if (detail::vnni_extension_allowed() &&
+      ((t == HWY_AVX3 && detail::cpu_has_avx512_vnni()) || (t == HWY_AVX2 && detail::cpu_has_avx_vnni())))
+    name += "_VNNI";
+#endif
+  return name;
 }
 
 std::vector<std::string> cpu_targets() {
   std::vector<std::string> r;
-  for (auto t : detail::available_list()) r.emplace_back(hwy::TargetName(t));
+  for (const auto& c : detail::choices()) r.push_back(c.name);
   return r;
 }
 
