@@ -4,11 +4,12 @@
 //!
 //! One build of the engine holds its kernels (the GEMMs of every weight format, the activation
 //! quantizers, attention, RMSNorm, SwiGLU, RoPE, the heads' blocks) compiled for several
-//! instruction sets, through Google Highway: on x86-64 AVX-512 with VNNI ("AVX3_DL"), AVX-512
-//! ("AVX3"), AVX2 with FMA ("AVX2"), SSE4 ("SSE4") and a portable fallback ("EMU128"); on
-//! aarch64 NEON ("NEON"). At run time the best one this CPU supports is used, unless limited by
-//! `set_cpu_target` or the environment variable `MEDUSA_CPU_TARGET` (read when the first engine
-//! is made).
+//! instruction sets, through Google Highway: on x86-64 AVX-512 of Ice Lake and Zen 4 class
+//! ("AVX3_DL"), AVX-512 ("AVX3"), AVX2 with FMA ("AVX2") and SSE4 ("SSE4"); on aarch64 NEON
+//! ("NEON"). Where the CPU has a VNNI dot product beside AVX-512 or AVX2 (AVX512-VNNI on Cascade
+//! Lake, AVX-VNNI on Alder Lake and later), the integer kernels use it: "AVX3_VNNI", "AVX2_VNNI".
+//! At run time the best choice this CPU supports is used, unless limited by `set_cpu_target` or
+//! the environment variable `MEDUSA_CPU_TARGET` (read when the first engine is made).
 //!
 //! Results differ between instruction sets in the last bits (fused or separate multiply-adds,
 //! another order of the partial sums), never between runs on one: on each of them a token's
@@ -33,7 +34,8 @@
 
 namespace medusa_llama {
 
-//! The instruction set the kernels use now ("AVX3_DL", "AVX3", "AVX2", "SSE4", "NEON", "EMU128").
+//! The instruction set the kernels use now ("AVX3_DL", "AVX3_VNNI", "AVX3", "AVX2_VNNI", "AVX2",
+//! "SSE4", "NEON").
 [[nodiscard]] std::string cpu_target();
 
 //! The instruction sets compiled into this build that this CPU supports, best first.
