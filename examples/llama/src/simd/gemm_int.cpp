@@ -56,7 +56,7 @@ bool use_vnni() {
 
 // acc + Σ over each int32 lane's 4 bytes of u8(u) · s8(s) (vpdpbusd; written as assembly so that
 // the AVX3 and AVX2 targets need not be compiled for the extension, which they check at run time).
-HWY_INLINE VI DotUnsigned(VI acc, VI u, VI s) {
+[[maybe_unused]] HWY_INLINE VI DotUnsigned(VI acc, VI u, VI s) {
 #if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
   __m512i r = acc.raw;
   __asm__("vpdpbusd %2, %1, %0" : "+v"(r) : "v"(u.raw), "v"(s.raw));

@@ -21,6 +21,10 @@ HWY_AFTER_NAMESPACE();
 
 #include "simd/targets.hpp"
 
+#if HWY_ARCH_X86 && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cctype>
@@ -97,22 +101,29 @@ void limit(std::string_view name, const std::string& source) {
 
 bool vnni_extension_allowed() noexcept { return vnni_allowed.load(std::memory_order_relaxed); }
 
-bool cpu_has_avx_vnni() noexcept {
+// CPUID leaf 7's feature bits (the operating system's support for the registers is Highway's
+// check of the AVX2 and AVX3 targets these extensions are used with).
+namespace {
+[[maybe_unused]] bool cpuid7_bit(unsigned subleaf, int reg, int bit) noexcept {
 #if HWY_ARCH_X86 && defined(__GNUC__)
-  static const bool has = __builtin_cpu_supports("avxvnni");
-  return has;
+  unsigned r[4] = {0, 0, 0, 0};
+  if (__get_cpuid_count(7, subleaf, &r[0], &r[1], &r[2], &r[3]) == 0) return false;
+  return ((r[reg] >> bit) & 1u) != 0;
 #else
+  (void)subleaf, (void)reg, (void)bit;
   return false;
 #endif
 }
+}  // namespace
+
+bool cpu_has_avx_vnni() noexcept {
+  static const bool has = cpuid7_bit(1, 0, 4);  // leaf 7.1 EAX bit 4
+  return has;
+}
 
 bool cpu_has_avx512_vnni() noexcept {
-#if HWY_ARCH_X86 && defined(__GNUC__)
-  static const bool has = __builtin_cpu_supports("avx512vnni");
+  static const bool has = cpuid7_bit(0, 2, 11);  // leaf 7.0 ECX bit 11
   return has;
-#else
-  return false;
-#endif
 }
 
 void apply_cpu_target_environment() {
