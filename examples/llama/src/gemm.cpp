@@ -200,9 +200,19 @@ void run_gemm_jobs(thread_pool& pool, std::span<const gemm_job> jobs) {
     }
     jobs = with_quantized;
   }
-  int total = 0;
-  for (const auto& j : jobs) total += j.W->groups();
-  const int n = std::max(1, std::min(total, pool.size() == 1 ? 1 : 4 * pool.size()));
+  int total = 0, panels = 0, rows = 0;
+  for (const auto& j : jobs) {
+    total += j.W->groups();
+    panels += j.W->panels();
+    rows = std::max(rows, j.in.T);
+  }
+  // About 4 chunks per thread, so that a thread the OS has not scheduled delays little; but for
+  // one or two rows (a decoding step) chunks of 8 panels or more, whose kernels keep enough
+  // independent sums to stream the weights (rounded down to a multiple of the threads).
+  const int threads = pool.size();
+  int n = threads == 1 ? 1 : 4 * threads;
+  if (rows <= 2 && threads > 1) n = std::clamp(panels / 8 / threads, 1, 4) * threads;
+  n = std::max(1, std::min(total, n));
   pool.run(n, [&](int chunk, int) {
     const int a = total * chunk / n, b = total * (chunk + 1) / n;
     int base = 0;

@@ -194,7 +194,8 @@ struct gemm_job {
 };
 
 //! Runs `jobs` in one fork-join on `pool`: their column groups, concatenated, are cut into about
-//! 4 chunks per thread (so a thread the OS has not scheduled delays little).
+//! 4 chunks per thread (so a thread the OS has not scheduled delays little), fewer for passes of
+//! one or two rows (chunks of at least 8 panels, whose kernels then keep enough independent sums).
 void run_gemm_jobs(thread_pool& pool, std::span<const gemm_job> jobs);
 
 //! Scalar reference of one bf16 rounding (nearest even; NaN kept quiet).

@@ -7,7 +7,7 @@
 // activations. Every accumulator sums its products in order of k with one fused multiply-add
 // each, whatever MR and NB are: a token's results have the same bits whether the pass holds one
 // token or sixty-four, which keeps greedy Medusa decoding identical to plain decoding. MR and NB
-// only change how many weight loads each product shares (one or two tokens take up to 3 panels,
+// only change how many weight loads each product shares (one or two tokens take up to 8 panels,
 // so that the single-token GEMV is bound by weight streaming, not by the FMA latency).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "simd/gemm_float.cpp"
@@ -31,14 +31,8 @@ constexpr int kMaxTokens = std::min(8, kAccumulators / kPanelVectors);  // token
 
 template <int MR, int NB>
 struct FloatTileFits {
-  static constexpr bool value = MR == 1 || (MR * NB * kPanelVectors <= kAccumulators && MR <= kMaxTokens);
+  static constexpr bool value = kTileFits<MR, NB, kPanelVectors, kMaxTokens>;
 };
-
-// Largest panel count (≤ `panels`) whose tile still holds `tokens` tokens.
-int panels_for(int tokens, int panels) {
-  while (panels > 1 && tokens * panels * kPanelVectors > kAccumulators) --panels;
-  return panels;
-}
 
 template <int MR, int NB>
 HWY_NOINLINE void TileF32(const float* HWY_RESTRICT P, std::size_t ps, const float* HWY_RESTRICT X, std::size_t ldx,
@@ -48,11 +42,11 @@ HWY_NOINLINE void TileF32(const float* HWY_RESTRICT P, std::size_t ps, const flo
   VF acc[MR][NB * V];
 #pragma GCC unroll 8
   for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 12
+#pragma GCC unroll 24
     for (int i = 0; i < NB * V; ++i) acc[t][i] = hn::Zero(d);
   for (int k = 0; k < K; ++k) {
     VF w[NB * V];
-#pragma GCC unroll 3
+#pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
       const float* src = P + sz(b) * ps + sz(k) * 16;
       // Past the panel's end this touches the next panel or the allocation's tail: prefetches
@@ -64,7 +58,7 @@ HWY_NOINLINE void TileF32(const float* HWY_RESTRICT P, std::size_t ps, const flo
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t) {
       const VF x = hn::Set(d, X[sz(t) * ldx + sz(k)]);
-#pragma GCC unroll 12
+#pragma GCC unroll 24
       for (int i = 0; i < NB * V; ++i) acc[t][i] = hn::MulAdd(w[i], x, acc[t][i]);
     }
   }
@@ -82,13 +76,13 @@ HWY_NOINLINE void TileBF16(const std::uint16_t* HWY_RESTRICT P, std::size_t ps, 
   VF acc[MR][NB * V];
 #pragma GCC unroll 8
   for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 12
+#pragma GCC unroll 24
     for (int i = 0; i < NB * V; ++i) acc[t][i] = hn::Zero(d);
   const VU hi = hn::Set(du, 0xffff0000u);
   const int KP = K / 2;  // full pairs; an odd K leaves one even k (its odd partner is padding)
   for (int kp = 0; kp < KP; ++kp) {
     VF we[NB * V], wo[NB * V];
-#pragma GCC unroll 3
+#pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
       const auto* src = reinterpret_cast<const std::uint32_t*>(P + sz(b) * ps + sz(kp) * 32);
       hwy::Prefetch(src + kPrefetch * 16);
@@ -103,14 +97,14 @@ HWY_NOINLINE void TileBF16(const std::uint16_t* HWY_RESTRICT P, std::size_t ps, 
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t) {
       const VF xe = hn::Set(d, X[sz(t) * ldx + k]), xo = hn::Set(d, X[sz(t) * ldx + k + 1]);
-#pragma GCC unroll 12
+#pragma GCC unroll 24
       for (int i = 0; i < NB * V; ++i) acc[t][i] = hn::MulAdd(wo[i], xo, hn::MulAdd(we[i], xe, acc[t][i]));
     }
   }
   if (K % 2 != 0) {
     const std::size_t k = sz(K - 1);
     VF we[NB * V];
-#pragma GCC unroll 3
+#pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
       const auto* src = reinterpret_cast<const std::uint32_t*>(P + sz(b) * ps + sz(KP) * 32);
 #pragma GCC unroll 4
@@ -119,7 +113,7 @@ HWY_NOINLINE void TileBF16(const std::uint16_t* HWY_RESTRICT P, std::size_t ps, 
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t) {
       const VF xe = hn::Set(d, X[sz(t) * ldx + k]);
-#pragma GCC unroll 12
+#pragma GCC unroll 24
       for (int i = 0; i < NB * V; ++i) acc[t][i] = hn::MulAdd(we[i], xe, acc[t][i]);
     }
   }
@@ -129,52 +123,21 @@ HWY_NOINLINE void TileBF16(const std::uint16_t* HWY_RESTRICT P, std::size_t ps, 
 }  // namespace
 
 void GemmFloat(const packed_matrix& W, const gemm_input& in, float* Y, std::size_t ldy, int g0, int g1, epilogue op) {
-  const int T = in.T, K = W.in(), GP = W.group_panels();
+  const int K = W.in();
   const bool bf16 = W.format() == weight_format::bf16;
   const std::size_t ps = W.panel_stride();
-  // One tile of `mr` tokens from token t0 over panels [p, p + nb) (a pair: both panels of group g).
-  auto tile = [&](int mr, int t0, int p, int nb, const int* cols, float* y) {
+  ForEachTile(W, in.T, g0, g1, kPanelVectors, kMaxTokens, kMaxTilePanels, [&](int mr, int t0, int p, int nb, const int* cols, int c0) {
     WithTile<FloatTileFits>(mr, nb, [&]<int MR, int NB>() {
       int c[NB];
       for (int b = 0; b < NB; ++b) c[b] = cols[b];
       const float* x = in.x + sz(t0) * in.ldx;
+      float* y = Y + sz(t0) * ldy + sz(c0);
       if (bf16)
         TileBF16<MR, NB>(W.b16() + sz(p) * ps, ps, x, in.ldx, K, y, ldy, c, op);
       else
         TileF32<MR, NB>(W.f32() + sz(p) * ps, ps, x, in.ldx, K, y, ldy, c, op);
     });
-  };
-  // Balanced token tiles of at most `max_mr` (sizes differ by at most one): each reads the
-  // panels once.
-  auto token_tiles = [&](int max_mr, auto&& run) {
-    const int tiles = (T + max_mr - 1) / max_mr;
-    for (int i = 0, t0 = 0; i < tiles; ++i) {
-      const int mr = (T - t0) / (tiles - i);
-      run(mr, t0);
-      t0 += mr;
-    }
-  };
-  for (int g = g0; g < g1; ++g) {
-    if (W.pair()) {  // gate and up panels of 16 columns, always in one tile
-      const int c0 = g * 16;
-      const int cols[2] = {std::min(16, W.rows() - c0), 16};
-      const int max_mr = std::max(1, std::min(kMaxTokens, kAccumulators / (2 * kPanelVectors)));
-      token_tiles(max_mr, [&](int mr, int t0) { tile(mr, t0, 2 * g, 2, cols, Y + sz(t0) * ldy + sz(c0)); });
-      continue;
-    }
-    const int p0 = GP * g, np = std::min(GP, W.panels() - p0);
-    // Few tokens: all the group's panels per tile (more independent sums per weight stream);
-    // many: fewer panels and more tokens per tile.
-    const int nb = panels_for(std::min(T, kMaxTokens), np);
-    const int max_mr = std::max(1, std::min(kMaxTokens, kAccumulators / (nb * kPanelVectors)));
-    for (int p = p0; p < p0 + np; p += nb) {
-      const int n = std::min(nb, p0 + np - p);
-      int cols[3] = {0, 0, 0};
-      for (int b = 0; b < n; ++b) cols[b] = std::min(16, W.rows() - (p + b) * 16);
-      token_tiles(std::min(max_mr, std::max(1, kAccumulators / (n * kPanelVectors))),
-                  [&](int mr, int t0) { tile(mr, t0, p, n, cols, Y + sz(t0) * ldy + sz(p) * 16); });
-    }
-  }
+  });
 }
 
 }  // namespace medusa_llama::detail::HWY_NAMESPACE

@@ -127,7 +127,7 @@ constexpr int kMaxTokensI8 = std::min(8, kAccumulators / kPanelVectors);
 
 template <int MR, int NB>
 struct Int8TileFits {
-  static constexpr bool value = MR == 1 || (MR * NB * kPanelVectors <= kAccumulators && MR <= kMaxTokensI8);
+  static constexpr bool value = kTileFits<MR, NB, kPanelVectors, kMaxTokensI8>;
 };
 
 // One int8 micro-tile: per 4 k, one row of 64 bytes per panel (4 k × 16 columns) against each
@@ -142,13 +142,13 @@ HWY_NOINLINE void TileI8(const std::int8_t* HWY_RESTRICT P, std::size_t ps, cons
   VI acc[MR][NB * V];
 #pragma GCC unroll 8
   for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 12
+#pragma GCC unroll 24
     for (int i = 0; i < NB * V; ++i) acc[t][i] = hn::Zero(di);
   const auto* xq = reinterpret_cast<const std::int8_t*>(XQ);
   const int KQ = static_cast<int>(ldq / 4);
   for (int kq = 0; kq < KQ; ++kq) {
     VI w[NB * V], aw[NB * V];
-#pragma GCC unroll 3
+#pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
       const std::int8_t* src = P + sz(b) * ps + sz(kq) * 64;
       hwy::Prefetch(src + 8 * 64);
@@ -161,7 +161,7 @@ HWY_NOINLINE void TileI8(const std::int8_t* HWY_RESTRICT P, std::size_t ps, cons
 #pragma GCC unroll 8
     for (int t = 0; t < MR; ++t) {
       const VI x = QuadOf(xq + sz(t) * ldq + sz(kq) * 4);  // q_x + 128
-#pragma GCC unroll 12
+#pragma GCC unroll 24
       for (int i = 0; i < NB * V; ++i) {
         if constexpr (Vnni)
           acc[t][i] = DotUnsigned(acc[t][i], x, w[i]);  // Σ (q_x + 128) q_w
@@ -171,7 +171,7 @@ HWY_NOINLINE void TileI8(const std::int8_t* HWY_RESTRICT P, std::size_t ps, cons
     }
   }
   VF out[MR][NB * V];
-#pragma GCC unroll 3
+#pragma GCC unroll 8
   for (int b = 0; b < NB; ++b)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
@@ -194,7 +194,7 @@ constexpr int kMaxTokensBlocks = std::min(4, kAccumulators / (2 * kPanelVectors)
 
 template <int MR, int NB>
 struct BlockTileFits {
-  static constexpr bool value = MR == 1 || (2 * MR * NB * kPanelVectors <= kAccumulators && MR <= kMaxTokensBlocks);
+  static constexpr bool value = kTileFits<MR, NB, 2 * kPanelVectors, kMaxTokensBlocks>;
 };
 
 // One micro-tile: MR tokens × NB panels, all blocks of K. With VNNI the weight bytes are unsigned
@@ -216,7 +216,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
   VF facc[MR][NB * V];
 #pragma GCC unroll 4
   for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 6
+#pragma GCC unroll 16
     for (int i = 0; i < NB * V; ++i) facc[t][i] = hn::Zero(df);
   const std::int8_t* xr[MR];
 #pragma GCC unroll 4
@@ -225,7 +225,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
     VI acc[MR][NB * V];
 #pragma GCC unroll 4
     for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 6
+#pragma GCC unroll 16
       for (int i = 0; i < NB * V; ++i) acc[t][i] = hn::Zero(di);
     const std::size_t q0 = sz(blk) * 8;  // first k-quad of the block
     if constexpr (Q4) {
@@ -233,7 +233,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         VI w0[NB * V], w1[NB * V];
-#pragma GCC unroll 3
+#pragma GCC unroll 8
         for (int b = 0; b < NB; ++b) {
           const std::uint8_t* src = P + sz(b) * ps + sz(blk) * block_bytes + sz(i) * 64;
           hwy::Prefetch(src + 512);
@@ -247,7 +247,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
 #pragma GCC unroll 4
         for (int t = 0; t < MR; ++t) {
           const VI xa = QuadOf(xr[t] + (q0 + 2 * sz(i)) * 4), xb = QuadOf(xr[t] + (q0 + 2 * sz(i) + 1) * 4);
-#pragma GCC unroll 6
+#pragma GCC unroll 16
           for (int j = 0; j < NB * V; ++j) {
             if constexpr (Vnni)
               acc[t][j] = DotUnsigned(DotUnsigned(acc[t][j], w0[j], xa), w1[j], xb);
@@ -260,7 +260,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
 #pragma GCC unroll 8
       for (int kq = 0; kq < 8; ++kq) {
         VI w[NB * V], aw[NB * V];
-#pragma GCC unroll 3
+#pragma GCC unroll 8
         for (int b = 0; b < NB; ++b) {
           const std::uint8_t* src = P + sz(b) * ps + sz(blk) * block_bytes + sz(kq) * 64;
           hwy::Prefetch(src + 512);
@@ -276,7 +276,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
 #pragma GCC unroll 4
         for (int t = 0; t < MR; ++t) {
           const VI xq = QuadOf(xr[t] + (q0 + sz(kq)) * 4);
-#pragma GCC unroll 6
+#pragma GCC unroll 16
           for (int j = 0; j < NB * V; ++j) {
             if constexpr (Vnni)
               acc[t][j] = DotUnsigned(acc[t][j], w[j], xq);
@@ -286,7 +286,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
         }
       }
     }
-#pragma GCC unroll 3
+#pragma GCC unroll 8
     for (int b = 0; b < NB; ++b)
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) {
@@ -303,49 +303,13 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
   WriteTile<MR, NB>(facc, Y, ldy, cols, op);
 }
 
-// Balanced token tiles of at most `max_mr` (sizes differ by at most one).
-template <class Run>
-void token_tiles(int T, int max_mr, Run&& run) {
-  const int tiles = (T + max_mr - 1) / max_mr;
-  for (int i = 0, t0 = 0; i < tiles; ++i) {
-    const int mr = (T - t0) / (tiles - i);
-    run(mr, t0);
-    t0 += mr;
-  }
-}
-
-// The column groups [g0, g1) of W in tiles of panels: `run(mr, t0, p, nb, cols, c0)` for each.
-// Pairs keep gate and up together (nb = 2).
-template <class Run>
-void for_each_tile(const packed_matrix& W, int T, int g0, int g1, int tokens_max, int vectors_per_token, Run&& run) {
-  const int GP = W.group_panels();
-  for (int g = g0; g < g1; ++g) {
-    if (W.pair()) {
-      const int cols[3] = {std::min(16, W.rows() - g * 16), 16, 0};
-      const int max_mr = std::max(1, std::min(tokens_max, kAccumulators / (2 * vectors_per_token)));
-      token_tiles(T, max_mr, [&](int mr, int t0) { run(mr, t0, 2 * g, 2, cols, g * 16); });
-      continue;
-    }
-    const int p0 = GP * g, np = std::min(GP, W.panels() - p0);
-    int nb = np;
-    while (nb > 1 && std::min(T, tokens_max) * nb * vectors_per_token > kAccumulators) --nb;
-    for (int p = p0; p < p0 + np; p += nb) {
-      const int n = std::min(nb, p0 + np - p);
-      int cols[3] = {0, 0, 0};
-      for (int b = 0; b < n; ++b) cols[b] = std::min(16, W.rows() - (p + b) * 16);
-      const int max_mr = std::max(1, std::min(tokens_max, kAccumulators / (n * vectors_per_token)));
-      token_tiles(T, max_mr, [&](int mr, int t0) { run(mr, t0, p, n, cols, p * 16); });
-    }
-  }
-}
-
 }  // namespace
 
 void GemmInt8(const packed_matrix& W, const quantized_rows& xq, int T, float* Y, std::size_t ldy, int g0, int g1,
               epilogue op) {
   const std::size_t ps = W.panel_stride();
   const bool vnni = use_vnni();
-  for_each_tile(W, T, g0, g1, kMaxTokensI8, kPanelVectors, [&](int mr, int t0, int p, int nb, const int* cols, int c0) {
+  ForEachTile(W, T, g0, g1, kPanelVectors, kMaxTokensI8, kMaxTilePanels, [&](int mr, int t0, int p, int nb, const int* cols, int c0) {
     WithTile<Int8TileFits>(mr, nb, [&]<int MR, int NB>() {
       int c[NB];
       for (int b = 0; b < NB; ++b) c[b] = cols[b];
@@ -367,7 +331,7 @@ void GemmBlocks(const packed_matrix& W, const block_rows& x, float* Y, std::size
   const bool q4 = W.format() == weight_format::q4_0;
   const bool vnni = use_vnni();
   const std::size_t ss = sz(x.blocks) * 16;
-  for_each_tile(W, x.T, g0, g1, kMaxTokensBlocks, 2 * kPanelVectors,
+  ForEachTile(W, x.T, g0, g1, 2 * kPanelVectors, kMaxTokensBlocks, 4,
                 [&](int mr, int t0, int p, int nb, const int* cols, int c0) {
                   WithTile<BlockTileFits>(mr, nb, [&]<int MR, int NB>() {
                     int c[NB];

@@ -19,6 +19,7 @@
 
 #include "../gemm.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -99,27 +100,30 @@ HWY_INLINE VF LoadColumns(DF d, const float* p, int n) {
   return hn::Load(d, buf);
 }
 
-// Writes the MR × (NB panels) accumulators of one micro-tile: Y = r, Y += r, or for a SwiGLU pair
-// (NB = 2: gate panel, then up panel) Y = silu(gate) · up. `cols[b]` = valid columns of panel b.
+// Writes the MR × (NB panels) accumulators of one micro-tile: Y = r, Y += r, or for SwiGLU pairs
+// (panels 2i and 2i + 1: gate and up of columns 16i ..) Y = silu(gate) · up. `cols[b]` = valid
+// columns of panel b.
 template <int MR, int NB>
 HWY_INLINE void WriteTile(VF (&acc)[MR][NB * kPanelVectors], float* Y, std::size_t ldy, const int (&cols)[NB],
                           epilogue op) {
   const DF d;
   constexpr int V = kPanelVectors;
-  if constexpr (NB == 2) {
+  if constexpr (NB % 2 == 0) {
     if (op == epilogue::swiglu) {
 #pragma GCC unroll 8
       for (int t = 0; t < MR; ++t)
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v)
-          StoreColumns(d, hn::Mul(Silu(d, acc[t][v]), acc[t][V + v]), Y + sz(t) * ldy + sz(v * kLanes),
-                       VectorColumns(cols[0], v));
+        for (int i = 0; i < NB / 2; ++i)
+#pragma GCC unroll 4
+          for (int v = 0; v < V; ++v)
+            StoreColumns(d, hn::Mul(Silu(d, acc[t][2 * i * V + v]), acc[t][(2 * i + 1) * V + v]),
+                         Y + sz(t) * ldy + sz(i * 16 + v * kLanes), VectorColumns(cols[2 * i], v));
       return;
     }
   }
 #pragma GCC unroll 8
   for (int t = 0; t < MR; ++t)
-#pragma GCC unroll 3
+#pragma GCC unroll 8
     for (int b = 0; b < NB; ++b)
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) {
@@ -131,9 +135,65 @@ HWY_INLINE void WriteTile(VF (&acc)[MR][NB * kPanelVectors], float* Y, std::size
       }
 }
 
-// Calls `body.template operator()<MR, NB>()` for runtime `mr` in [1, 8] and `nb` in [1, 3], for
-// the shapes `Fits<MR, NB>` admits (one token always fits, with spills where the registers are
-// short). The callers pick only those shapes: anything else is a bug, stopped here.
+// Panels a micro-tile holds at most: 3 for three tokens or more; up to 8 for one or two (a
+// single-token GEMV needs that many independent sums to stream the weights).
+inline constexpr int kMaxTilePanels = 8;
+
+// Whether a tile of MR tokens × NB panels, `per` accumulators per token and panel, fits the
+// registers (one token always does, spilling where they are short).
+template <int MR, int NB, int per, int max_tokens>
+inline constexpr bool kTileFits =
+    MR == 1 || (MR * NB * per <= kAccumulators && MR <= max_tokens && (NB <= 3 || MR <= 2));
+
+// Cuts the column groups [g0, g1) of W into micro-tiles for T tokens and calls
+// `run(mr, t0, p, nb, cols, c0)` for each: tokens [t0, t0 + mr), panels [p, p + nb) with `cols[b]`
+// valid columns each, writing output columns from c0. `per` accumulators per token and panel,
+// at most `max_tokens` tokens a tile, at most `max_panels` (≤ kMaxTilePanels) panels for one or
+// two tokens. SwiGLU pairs stay whole (nb even, c0 = 16 · first pair).
+// Token tiles are balanced (sizes differ by at most one); each reads its panels once. Neither
+// the shapes nor their order change a column's arithmetic.
+template <class Run>
+HWY_INLINE void ForEachTile(const packed_matrix& W, int T, int g0, int g1, int per, int max_tokens, int max_panels,
+                            Run&& run) {
+  const int tokens = std::max(1, std::min(T, max_tokens));
+  const int fit = std::clamp(kAccumulators / (tokens * per), 1, T <= 2 ? max_panels : 3);
+  auto tiles_of = [&](int p, int nb, const int* cols, int c0) {
+    const int max_mr = std::max(1, std::min(max_tokens, kAccumulators / (nb * per)));
+    const int n = (T + max_mr - 1) / max_mr;
+    for (int i = 0, t0 = 0; i < n; ++i) {
+      const int mr = (T - t0) / (n - i);
+      run(mr, t0, p, nb, cols, c0);
+      t0 += mr;
+    }
+  };
+  int cols[kMaxTilePanels];
+  // Units (panels, or SwiGLU pairs) [u0, u1) in balanced runs of at most `per_tile`.
+  auto runs = [](int u0, int u1, int per_tile, auto&& f) {
+    const int n = (u1 - u0 + per_tile - 1) / per_tile;
+    for (int i = 0, u = u0; i < n; ++i) {
+      const int m = (u1 - u) / (n - i);
+      f(u, m);
+      u += m;
+    }
+  };
+  if (W.pair()) {
+    runs(g0, g1, std::max(1, fit / 2), [&](int g, int n) {
+      for (int i = 0; i < n; ++i) {
+        cols[2 * i] = std::min(16, W.rows() - (g + i) * 16);
+        cols[2 * i + 1] = 16;
+      }
+      tiles_of(2 * g, 2 * n, cols, 16 * g);
+    });
+    return;
+  }
+  runs(g0 * W.group_panels(), std::min(g1 * W.group_panels(), W.panels()), fit, [&](int p, int n) {
+    for (int b = 0; b < n; ++b) cols[b] = std::min(16, W.rows() - (p + b) * 16);
+    tiles_of(p, n, cols, 16 * p);
+  });
+}
+
+// Calls `body.template operator()<MR, NB>()` for runtime `mr` and `nb` in [1, 8], for the shapes
+// `Fits<MR, NB>` admits (ForEachTile picks only those: anything else is a bug, stopped here).
 template <template <int, int> class Fits, class Body>
 HWY_INLINE void WithTile(int mr, int nb, Body&& body) {
   auto with_nb = [&]<int NB>() {
@@ -157,7 +217,12 @@ HWY_INLINE void WithTile(int mr, int nb, Body&& body) {
   switch (nb) {
     case 1: with_nb.template operator()<1>(); break;
     case 2: with_nb.template operator()<2>(); break;
-    default: with_nb.template operator()<3>(); break;
+    case 3: with_nb.template operator()<3>(); break;
+    case 4: with_nb.template operator()<4>(); break;
+    case 5: with_nb.template operator()<5>(); break;
+    case 6: with_nb.template operator()<6>(); break;
+    case 7: with_nb.template operator()<7>(); break;
+    default: with_nb.template operator()<8>(); break;
   }
 }
 
