@@ -35,6 +35,9 @@ namespace medusa_llama {
 
 namespace detail {
 HWY_EXPORT(DispatchedTarget);
+// Called from this namespace: with one compiled target (aarch64: NEON) HWY_DYNAMIC_DISPATCH is
+// HWY_STATIC_DISPATCH, N_NEON::FUNC, which must resolve here.
+std::int64_t dispatched_target() { return HWY_DYNAMIC_DISPATCH(DispatchedTarget)(); }
 
 namespace {
 
@@ -139,7 +142,7 @@ void apply_cpu_target_environment() {
 
 std::string cpu_target() {
   detail::apply_cpu_target_environment();
-  const std::int64_t t = HWY_DYNAMIC_DISPATCH(detail::DispatchedTarget)();
+  const std::int64_t t = detail::dispatched_target();
   std::string name = hwy::TargetName(t);
 #if HWY_ARCH_X86
   if (detail::vnni_extension_allowed() &&
