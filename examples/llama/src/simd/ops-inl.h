@@ -192,38 +192,33 @@ HWY_INLINE void ForEachTile(const packed_matrix& W, int T, int g0, int g1, int p
   });
 }
 
+// Calls `f.template operator()<N>()` for the runtime `n` in [1, 8] (larger: 8).
+template <class F>
+HWY_INLINE void WithCount(int n, F&& f) {
+  switch (n) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    case 7: f.template operator()<7>(); break;
+    default: f.template operator()<8>(); break;
+  }
+}
+
 // Calls `body.template operator()<MR, NB>()` for runtime `mr` and `nb` in [1, 8], for the shapes
 // `Fits<MR, NB>` admits (ForEachTile picks only those: anything else is a bug, stopped here).
 template <template <int, int> class Fits, class Body>
 HWY_INLINE void WithTile(int mr, int nb, Body&& body) {
-  auto with_nb = [&]<int NB>() {
-    auto call = [&]<int MR>() {
+  WithCount(nb, [&]<int NB>() {
+    WithCount(mr, [&]<int MR>() {
       if constexpr (Fits<MR, NB>::value)
         body.template operator()<MR, NB>();
       else
         HWY_ABORT("kernel tile of %d tokens x %d panels does not fit the registers", MR, NB);
-    };
-    switch (mr) {
-      case 1: call.template operator()<1>(); break;
-      case 2: call.template operator()<2>(); break;
-      case 3: call.template operator()<3>(); break;
-      case 4: call.template operator()<4>(); break;
-      case 5: call.template operator()<5>(); break;
-      case 6: call.template operator()<6>(); break;
-      case 7: call.template operator()<7>(); break;
-      default: call.template operator()<8>(); break;
-    }
-  };
-  switch (nb) {
-    case 1: with_nb.template operator()<1>(); break;
-    case 2: with_nb.template operator()<2>(); break;
-    case 3: with_nb.template operator()<3>(); break;
-    case 4: with_nb.template operator()<4>(); break;
-    case 5: with_nb.template operator()<5>(); break;
-    case 6: with_nb.template operator()<6>(); break;
-    case 7: with_nb.template operator()<7>(); break;
-    default: with_nb.template operator()<8>(); break;
-  }
+    });
+  });
 }
 
 }  // namespace medusa_llama::detail::HWY_NAMESPACE
