@@ -29,7 +29,7 @@
 #pragma once
 
 #include <medusa/config.hpp>
-#include <medusa/acceptance/error.hpp>
+#include <medusa/acceptance_error.hpp>
 #include <medusa/candidates.hpp>
 #include <medusa/detail/philox.hpp>
 #include <medusa/detail/row_math.hpp>
@@ -118,12 +118,12 @@ struct greedy_policy {
 //! ranked by the summed `ln q` of their accepted tokens. `temperature == 0` is greedy (as in the
 //! reference). The bonus is the argmax (the reference's default "fast" root).
 //!
-//! **The default temperature is 0, which is greedy acceptance**: `typical_policy{}` accepts
-//! exactly what `greedy_policy{}` accepts. Set `temperature` (the reference's 0.7, say) for
-//! typical acceptance; `dispatch_policy("typical", ...)` and the tools use 0.7 when none is given.
+//! The default temperature is the reference's 0.7, the same in `typical_policy{}`,
+//! `dispatch_policy("typical", {})` and the tools. `temperature = 0` accepts exactly what
+//! `greedy_policy{}` accepts.
 struct typical_policy {
   static constexpr std::string_view name = "typical";  //!< name in `dispatch_policy` and the tools
-  float temperature = 0.0f;           //!< T; 0 = greedy (the default)
+  float temperature = 0.7f;           //!< T (default 0.7); 0 = greedy
   float posterior_threshold = 0.09f;  //!< ε of the paper (default 0.09)
   float posterior_alpha = 0.3f;       //!< δ of the paper (default 0.3)
 

@@ -23,7 +23,7 @@
 #pragma once
 
 #include <medusa/config.hpp>
-#include <medusa/acceptance/error.hpp>
+#include <medusa/acceptance_error.hpp>
 #include <medusa/detail/row_math.hpp>
 #include <medusa/tree.hpp>
 

@@ -24,7 +24,7 @@
 #pragma once
 
 #include <medusa/config.hpp>
-#include <medusa/acceptance/error.hpp>
+#include <medusa/acceptance_error.hpp>
 #include <medusa/candidates.hpp>
 #include <medusa/detail/row_math.hpp>
 #include <medusa/error.hpp>

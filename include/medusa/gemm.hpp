@@ -28,7 +28,7 @@
 #pragma once
 
 #include <medusa/config.hpp>
-#include <medusa/dispatch.hpp>
+#include <medusa/dispatch/value.hpp>
 #include <medusa/dtype.hpp>
 #include <medusa/error.hpp>
 #include <medusa/half.hpp>

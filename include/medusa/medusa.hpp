@@ -7,9 +7,10 @@
 //! static_assert(medusa::version().major == MEDUSA_VERSION_MAJOR);
 //! @endcode
 //!
-//! File formats (safetensors, head checkpoints, JSON) are in `<medusa/io.hpp>`, and the
-//! compile-time presets in `<medusa/tree/presets.hpp>`; CUDA kernels live in `<medusa/cuda/...>`
-//! and need nvcc.
+//! File formats (safetensors, head checkpoints, JSON) are in `<medusa/io.hpp>`; the compile-time
+//! presets in `<medusa/tree/presets.hpp>` and `dispatch_tree`, which instantiates them, in
+//! `<medusa/dispatch/tree.hpp>` (or `<medusa/dispatch.hpp>`, every dispatcher); CUDA kernels live
+//! in `<medusa/cuda/...>` and need nvcc.
 #pragma once
 
 #include <medusa/config.hpp>
@@ -28,4 +29,5 @@
 #include <medusa/decoder.hpp>
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/decoder/step_cost.hpp>
-#include <medusa/dispatch.hpp>
+#include <medusa/dispatch/value.hpp>
+#include <medusa/dispatch/policy.hpp>

@@ -2,6 +2,7 @@
 // Acceptance (docs/acceptance.md): greedy, typical, rejection properties, a user policy, batches,
 // errors.
 #include <medusa/acceptance.hpp>
+#include <medusa/dispatch/policy.hpp>
 
 #include <doctest/doctest.h>
 
@@ -120,11 +121,15 @@ static_assert(!medusa::acceptance_policy<int>);
 
 }  // namespace
 
-TEST_CASE("typical defaults are pinned (threshold 0.09, alpha 0.3, T 0)") {
+TEST_CASE("typical defaults are pinned (threshold 0.09, alpha 0.3, T 0.7), the same as dispatch_policy's") {
   const medusa::typical_policy p;
   CHECK(p.posterior_threshold == 0.09f);
   CHECK(p.posterior_alpha == 0.3f);
-  CHECK(p.temperature == 0.0f);
+  CHECK(p.temperature == 0.7f);
+  const auto named = medusa::make_policy<medusa::typical_policy>({});
+  CHECK(named.temperature == p.temperature);
+  CHECK(named.posterior_threshold == p.posterior_threshold);
+  CHECK(named.posterior_alpha == p.posterior_alpha);
   const medusa::rejection_policy r;
   CHECK(r.temperature == 1.0f);
   CHECK(r.top_k == 0);
@@ -177,7 +182,7 @@ TEST_CASE("greedy accepts exactly a planted argmax path (property, preset and ra
     const auto ty = medusa::verify(t, s.request(), medusa::typical_policy{.temperature = 0.05f}, ws);
     check_path_result(t, s, ty, target);
     CHECK(ty.bonus == r.bonus);
-    const auto t0 = medusa::verify(t, s.request(), medusa::typical_policy{}, ws);
+    const auto t0 = medusa::verify(t, s.request(), medusa::typical_policy{.temperature = 0.0f}, ws);
     check_path_result(t, s, t0, target);
     // Rejection sampling at T = 0 is greedy plus bonus = argmax, whatever the seed.
     const auto rj = medusa::verify(t, s.request(static_cast<std::uint64_t>(trial), 3),

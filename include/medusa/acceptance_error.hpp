@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-//! @file error.hpp
-//! The typed error of candidates and acceptance: bad shapes, vocab mismatches, token ids out of
-//! range, non-finite logits, bad policy parameters and bad draft distributions.
+//! @file acceptance_error.hpp
+//! The typed error of candidates and acceptance, in a header below both (candidates throw it and
+//! sit below acceptance): bad shapes, vocab mismatches, token ids out of range, non-finite logits,
+//! bad policy parameters and bad draft distributions.
 #pragma once
 
 #include <medusa/config.hpp>
