@@ -76,7 +76,7 @@ TEST_CASE("dynamic trees, lookup branches and both are lossless (greedy, rejecti
       greedy_rejection.temperature = 0.0f;
       medusa::decoder c0(model, rnd, drafter, greedy_rejection);
       CHECK(c0.generate(p, opt).tokens == plain.tokens);
-      medusa::decoder t(model, oracle, drafter, medusa::typical_policy{});
+      medusa::decoder t(model, oracle, drafter, medusa::typical_policy{.temperature = 0.0f});  // the oracle follows greedy paths
       CHECK(t.generate(p, opt).tokens.size() == plain.tokens.size());
     }
   }
