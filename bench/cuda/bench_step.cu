@@ -23,7 +23,8 @@ namespace mc = medusa::cuda;
 namespace mk = medusa::cuda::kernels;
 using tag = medusa::presets::tag_of<"mc_sim_7b_63">;
 using logit = medusa::bfloat16;
-using step = mc::step_kernels<tag, 4, logit>;
+using step = mc::step_kernels<tag, logit>;
+constexpr int head_count = 4;  // Medusa heads: the preset is 4 deep
 
 namespace {
 
@@ -90,10 +91,10 @@ struct step_buffers {
   device_bytes heads, node_logits, tokens, next_tokens, positions, lengths, ints, ws;
   step_buffers(int b, int v, mk::verify_kind kind, float temperature)
       : batch(b), vocab(v), nodes(tag::tree.num_nodes()), stride(tag::tree.depth() + 1),
-        copies_heads(copies_for(static_cast<std::size_t>(b) * 4 * v * sizeof(logit))),
+        copies_heads(copies_for(static_cast<std::size_t>(b) * head_count * v * sizeof(logit))),
         copies_nodes(copies_for(static_cast<std::size_t>(b) * nodes * v * sizeof(logit))),
-        head_cells(static_cast<std::size_t>(b) * 4 * v), node_cells(static_cast<std::size_t>(b) * nodes * v),
-        plan(step::plan(b, v, kind, {}, temperature)),
+        head_cells(static_cast<std::size_t>(b) * head_count * v), node_cells(static_cast<std::size_t>(b) * nodes * v),
+        plan(step::plan(b, head_count, v, kind, {}, temperature)),
         heads(head_cells * copies_heads * sizeof(logit)), node_logits(node_cells * copies_nodes * sizeof(logit)),
         tokens(static_cast<std::size_t>(b) * nodes * 4), next_tokens(static_cast<std::size_t>(b) * nodes * 4),
         positions(static_cast<std::size_t>(b) * nodes * 4), lengths(static_cast<std::size_t>(b) * 4),

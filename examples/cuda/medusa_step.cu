@@ -31,7 +31,7 @@ namespace {
 using tree_tag = medusa::presets::tag_of<"mc_sim_7b_63">;
 constexpr int heads = 4, vocab = 512, batch = 3, prompt = 5, steps = 12;
 constexpr int layers = 2, kv_heads = 2, head_dim = 8, capacity = 256;
-using kernels = mc::step_kernels<tree_tag, heads, float>;
+using kernels = mc::step_kernels<tree_tag, float>;
 
 __host__ __device__ int next_token(int t) { return (5 * t + 3) % vocab; }
 
@@ -92,7 +92,7 @@ int main() {
   const int n = tree.num_nodes(), stride = tree.depth() + 1;
 
   // Once per engine: plans and buffers. Nothing below allocates again.
-  const kernels::plan_type plan = kernels::plan(batch, vocab, mk::verify_kind::greedy);
+  const kernels::plan_type plan = kernels::plan(batch, heads, vocab, mk::verify_kind::greedy);
   void* workspace = device_alloc<unsigned char>(plan.workspace_bytes);
   auto* tokens = device_alloc<std::int32_t>(batch * n);
   auto* positions = device_alloc<std::int32_t>(batch * n);

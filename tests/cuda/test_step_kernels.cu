@@ -48,10 +48,10 @@ std::vector<float> random_logits(std::size_t n, std::uint32_t seed, float grid) 
 
 template <class T>
 void check_candidates(int batch, int vocab) {
-  using kernels = mc::step_kernels<preset_tag, 4, T>;
+  using kernels = mc::step_kernels<preset_tag, T>;
   const auto& t = preset_tag::tree;
   const int heads = 4, n = t.num_nodes();
-  const auto plan = kernels::plan(batch, vocab, mk::verify_kind::greedy);
+  const auto plan = kernels::plan(batch, heads, vocab, mk::verify_kind::greedy);
   const auto logits = rounded<T>(random_logits(static_cast<std::size_t>(batch) * heads * vocab, 5u, 0.05f));
   std::vector<std::int32_t> roots(static_cast<std::size_t>(batch)), lengths(roots.size());
   for (int b = 0; b < batch; ++b) {
@@ -156,7 +156,7 @@ mk::verify_args<T> args_for(const step_data&, const T* logits, const std::int32_
 template <class Tag, class T, class Policy>
 int check_verify(mk::verify_kind kind, const Policy& policy, float temperature, int batch, int vocab) {
   const auto cpu_tree = medusa::tree::preset("mc_sim_7b_63");
-  using kernels = mc::step_kernels<Tag, 4, T>;
+  using kernels = mc::step_kernels<Tag, T>;
   const std::vector<int> packed = mc::pack_tree(cpu_tree);
   device_buffer<int> d_packed(packed);
   typename kernels::kernel_tree kt{};
@@ -164,7 +164,7 @@ int check_verify(mk::verify_kind kind, const Policy& policy, float temperature, 
   auto d = make_step(cpu_tree, batch, vocab, 41u);
   d.logits = rounded<T>(d.logits);
   const int stride = cpu_tree.depth() + 1;
-  const auto plan = kernels::plan(batch, vocab, kind, cpu_tree, temperature);
+  const auto plan = kernels::plan(batch, 4, vocab, kind, cpu_tree, temperature);
   device_buffer<T> d_logits(converted<T>(d.logits));
   device_buffer<float> d_drafts(d.drafts);
   device_buffer<std::int32_t> d_tokens(d.tokens), d_eos(d.eos);
@@ -231,12 +231,12 @@ TEST_CASE("device verification equals the CPU's for every policy, compile-time a
 }
 
 TEST_CASE("a NaN logit marks only its request on the device") {
-  using kernels = mc::step_kernels<preset_tag, 4, float>;
+  using kernels = mc::step_kernels<preset_tag, float>;
   const auto& t = preset_tag::tree;
   const int batch = 3, vocab = 700, stride = t.depth() + 1;
   auto d = make_step(t, batch, vocab, 3u);
   d.logits[static_cast<std::size_t>(2 * d.nodes) * vocab + 11] = std::nanf("");
-  const auto plan = kernels::plan(batch, vocab, mk::verify_kind::greedy);
+  const auto plan = kernels::plan(batch, 4, vocab, mk::verify_kind::greedy);
   device_buffer<float> d_logits(d.logits);
   device_buffer<std::int32_t> d_tokens(d.tokens);
   device_buffer<unsigned char> ws(plan.workspace_bytes);
@@ -253,11 +253,11 @@ TEST_CASE("a NaN logit marks only its request on the device") {
 }
 
 TEST_CASE("verify + candidates captured in a CUDA graph replay with the same results") {
-  using kernels = mc::step_kernels<preset_tag, 4, medusa::bfloat16>;
+  using kernels = mc::step_kernels<preset_tag, medusa::bfloat16>;
   const auto& t = preset_tag::tree;
   const int batch = 8, vocab = 32000, stride = t.depth() + 1, n = t.num_nodes();
   auto d = make_step(t, batch, vocab, 9u);
-  const auto plan = kernels::plan(batch, vocab, mk::verify_kind::greedy);
+  const auto plan = kernels::plan(batch, 4, vocab, mk::verify_kind::greedy);
   device_buffer<medusa::bfloat16> d_logits(converted<medusa::bfloat16>(d.logits));
   device_buffer<medusa::bfloat16> d_heads(converted<medusa::bfloat16>(random_logits(static_cast<std::size_t>(batch) * 4 * vocab, 4u, 0.0f)));
   device_buffer<std::int32_t> d_tokens(d.tokens), d_next_tokens(static_cast<std::size_t>(batch * n)),

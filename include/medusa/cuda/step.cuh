@@ -5,15 +5,17 @@
 //! (greedy, typical, rejection, speculative). The KV commit is `kv_commit.cuh`, the heads
 //! `heads.cuh`. docs/cuda.md shows how an engine chains them into its step.
 //!
-//! `step_kernels<Tree, Heads, T>` is instantiated per tree shape, head count and logit type:
-//! `Tree` is a compile-time tree tag (`medusa::presets::tag<I>`; the tree then travels as a kernel
-//! parameter, in the constant bank) or `runtime_tree` (any other tree, its arrays in device
-//! memory, see `tree_arrays.hpp`). The library target `medusa::cuda_kernels` holds the explicit
-//! instantiations for the 9 presets × 1–5 heads × f32/bf16/f16 logits (`step_instances.cuh`).
+//! `step_kernels<Tree, T>` is instantiated per tree shape and logit type: `Tree` is a compile-time
+//! tree tag (`medusa::presets::tag<I>`; the tree then travels as a kernel parameter, in the
+//! constant bank) or `runtime_tree` (any other tree, its arrays in device memory, see
+//! `tree_arrays.hpp`). The head count is a field of the plan: no kernel depends on it. The library
+//! target `medusa::cuda_kernels` holds the explicit instantiations for the 9 presets and
+//! `runtime_tree` × f32/bf16/f16 logits (`step_instances.cuh`).
 //!
 //! @code
-//! using kernels = medusa::cuda::step_kernels<medusa::presets::tag_of<"mc_sim_7b_63">, 4, medusa::bfloat16>;
-//! auto plan = kernels::plan(batch, vocab, medusa::cuda::kernels::verify_kind::greedy);
+//! using tag = medusa::presets::tag_of<"mc_sim_7b_63">;
+//! using kernels = medusa::cuda::step_kernels<tag, medusa::bfloat16>;
+//! auto plan = kernels::plan(batch, /*heads*/ 4, vocab, medusa::cuda::kernels::verify_kind::greedy);
 //! // workspace: plan.workspace_bytes, allocated once by the engine
 //! kernels::verify(plan, {}, verify_args, workspace, plan.workspace_bytes, stream);
 //! kernels::candidates(plan, {}, head_logits, roots, lengths, node_tokens, positions, status,
@@ -35,6 +37,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -166,11 +169,10 @@ cudaError_t run_verify(const kernels::verify_plan& plan, const KernelTree& tree,
   return cudaGetLastError();
 }
 
-//! The candidate and verification launchers of one tree shape, head count and logit type.
+//! The candidate and verification launchers of one tree shape and logit type.
 //! @tparam Tree a compile-time tree tag (with a `static constexpr` `tree`) or `runtime_tree`
-//! @tparam Heads the number of Medusa heads (≥ the tree's depth)
 //! @tparam T logits: float, medusa::half or medusa::bfloat16
-template <class Tree, int Heads, class T>
+template <class Tree, class T>
 class step_kernels {
   static constexpr bool is_static = !std::is_same_v<Tree, runtime_tree>;
 
@@ -181,6 +183,7 @@ class step_kernels {
   //! Sizes, launch shapes and workspace of one step's candidate and verification kernels.
   struct plan_type {
     int batch = 0;
+    int heads = 0;  //!< Medusa heads: rows per request in `candidates`' head logits
     int vocab = 0;
     int k = 0;  //!< ids kept per head row: the tree's largest rank + 1
     kernels::top_k_plan top_k;
@@ -189,43 +192,57 @@ class step_kernels {
     std::size_t workspace_bytes = 0;  //!< for `candidates` (head top-k ids first) and `verify`
   };
 
-  //! Plans a step for `batch` requests over `vocab`. For `runtime_tree`, `shape` is the tree as
-  //! the host reads it (the CPU `medusa::tree`, or `tree_arrays` over host memory); a compile-time
-  //! tree ignores it. `temperature`, `top_k`, `top_p` are the policy's warp.
-  //! @throws launch_error on bad sizes or unsupported warps (see `plan_top_k`, `plan_verify`).
+  //! Plans a step for `batch` requests with `heads` Medusa heads over `vocab`. For `runtime_tree`,
+  //! `shape` is the tree as the host reads it (the CPU `medusa::tree`, or `tree_arrays` over host
+  //! memory); a compile-time tree ignores it. `temperature`, `top_k`, `top_p` are the policy's
+  //! warp.
+  //! @throws launch_error `invalid_shape` for fewer than 1 head or fewer heads than the tree's
+  //! depth, and on bad sizes or unsupported warps (see `plan_top_k`, `plan_verify`).
   template <class HostTree = kernel_tree>
-  static plan_type plan(int batch, int vocab, kernels::verify_kind kind, const HostTree& shape = {},
-                        float temperature = 0.0f, int top_k = 0, float top_p = 1.0f, int target_blocks = 528) {
+  static plan_type plan(int batch, int heads, int vocab, kernels::verify_kind kind,
+                        const HostTree& shape = {}, float temperature = 0.0f, int top_k = 0,
+                        float top_p = 1.0f, int target_blocks = 528) {
     if constexpr (is_static)
-      return plan_for(static_kernel_tree(), batch, vocab, kind, temperature, top_k, top_p, target_blocks);
+      return plan_for(static_kernel_tree(), batch, heads, vocab, kind, temperature, top_k, top_p,
+                      target_blocks);
     else
-      return plan_for(shape, batch, vocab, kind, temperature, top_k, top_p, target_blocks);
+      return plan_for(shape, batch, heads, vocab, kind, temperature, top_k, top_p, target_blocks);
   }
 
  private:
   template <class HostTree>
-  static plan_type plan_for(const HostTree& t, int batch, int vocab, kernels::verify_kind kind, float temperature,
-                            int top_k, float top_p, int target_blocks) {
+  static plan_type plan_for(const HostTree& t, int batch, int heads, int vocab,
+                            kernels::verify_kind kind, float temperature, int top_k, float top_p,
+                            int target_blocks) {
+    if (heads < 1)
+      throw launch_error(launch_errc::invalid_shape,
+                         "step: the head count must be at least 1, got " + std::to_string(heads));
     if (t.num_nodes() < 2)
       throw launch_error(launch_errc::invalid_shape, "step: the run-time tree is empty (build tree_arrays::over)");
-    if (Heads < t.depth())
-      throw launch_error(launch_errc::invalid_shape, "step: a depth-" + std::to_string(t.depth()) + " tree needs " +
-                                                         std::to_string(t.depth()) + " heads, the kernels have " +
-                                                         std::to_string(Heads));
+    if (heads < t.depth())
+      throw launch_error(launch_errc::invalid_shape,
+                         "step: a depth-" + std::to_string(t.depth()) + " tree needs " +
+                             std::to_string(t.depth()) + " heads, the plan has " +
+                             std::to_string(heads));
+    if (batch < 1 || heads > std::numeric_limits<int>::max() / batch)
+      throw launch_error(
+          launch_errc::invalid_shape,
+          "step: need batch >= 1 and batch × heads head rows within an int, got batch " +
+              std::to_string(batch) + ", heads " + std::to_string(heads));
     plan_type p;
     p.batch = batch;
+    p.heads = heads;
     p.vocab = vocab;
     for (int d = 1; d <= t.depth(); ++d) p.k = std::max(p.k, t.max_rank(d) + 1);
-    p.top_k = kernels::plan_top_k(batch * Heads, vocab, p.k, target_blocks);
-    p.gather = kernels::plan_gather(t, batch, Heads, p.k);
+    p.top_k = kernels::plan_top_k(batch * heads, vocab, p.k, target_blocks);
+    p.gather = kernels::plan_gather(t, batch, heads, p.k);
     p.verify = kernels::plan_verify(kind, batch, t.num_nodes(), t.depth(), vocab, temperature, top_k, top_p);
     p.workspace_bytes = head_ids_bytes(p) + std::max(p.top_k.workspace_bytes, p.verify.workspace_bytes);
     return p;
   }
 
  public:
-
-  //! Next step's candidates: top-k of each head row (`head_logits` `[B][Heads][vocab]`, rows
+  //! Next step's candidates: top-k of each head row (`head_logits` `[B][heads][vocab]`, rows
   //! `head_row_stride` apart), then the tree tokens `[B][N]` and positions `[B][N]` (`L + depth`)
   //! from `roots[B]` (the bonus tokens) and `lengths[B]`. `status[B]` gets `non_finite_logit` for
   //! a request with NaN/Inf head logits (it is not cleared: `verify` writes it first in a step).
@@ -240,14 +257,20 @@ class step_kernels {
     a.row_stride = head_row_stride;
     a.out_ids = ids;
     a.status = status;
-    a.rows_per_status = Heads;
+    a.rows_per_status = p.heads;
     const std::size_t used = head_ids_bytes(p);
     if (const cudaError_t e = run_top_k(p.top_k, a, static_cast<unsigned char*>(workspace) + used,
                                         workspace_bytes - used, stream);
         e != cudaSuccess)
       return e;
-    kernels::gather_args g{.batch = p.batch, .heads = Heads, .k_stride = p.k, .roots = roots, .head_top_k = ids,
-                           .lengths = lengths, .node_tokens = node_tokens, .positions = positions};
+    kernels::gather_args g{.batch = p.batch,
+                           .heads = p.heads,
+                           .k_stride = p.k,
+                           .roots = roots,
+                           .head_top_k = ids,
+                           .lengths = lengths,
+                           .node_tokens = node_tokens,
+                           .positions = positions};
     return run_gather(tree_of(tree), p.gather, g, stream);
   }
 
@@ -263,8 +286,9 @@ class step_kernels {
 
  private:
   static std::size_t head_ids_bytes(const plan_type& p) {
-    return workspace_carver::round_up(static_cast<std::size_t>(p.batch) * Heads * static_cast<std::size_t>(p.k) *
-                                      sizeof(std::int32_t));
+    return workspace_carver::round_up(static_cast<std::size_t>(p.batch) *
+                                      static_cast<std::size_t>(p.heads) *
+                                      static_cast<std::size_t>(p.k) * sizeof(std::int32_t));
   }
   static const kernel_tree& static_kernel_tree() {
     if constexpr (is_static) {

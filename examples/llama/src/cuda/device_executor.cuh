@@ -36,7 +36,6 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
-#include <variant>
 #include <vector>
 
 namespace medusa_llama::cuda_detail {
@@ -144,52 +143,35 @@ class device_executor {
   }
 
   // --- the Medusa step's library kernels -------------------------------------------------------
-  template <int H>
-  using kernels_for = medusa::cuda::step_kernels<medusa::cuda::runtime_tree, H, float>;
-  using step_plans = std::variant<typename kernels_for<1>::plan_type, typename kernels_for<2>::plan_type,
-                                  typename kernels_for<3>::plan_type, typename kernels_for<4>::plan_type,
-                                  typename kernels_for<5>::plan_type>;
+  using step_kernels = medusa::cuda::step_kernels<medusa::cuda::runtime_tree, float>;
   struct step_op {
-    step_plans plan;
+    step_kernels::plan_type plan;
     std::shared_ptr<void> tree_ints, workspace;
     medusa::cuda::tree_arrays tree;
-    std::size_t workspace_bytes = 0;
   };
   step_op make_step_op(const medusa::tree& t, int heads, int batch, int vocab) {
-    if (heads < 1 || heads > 5)
-      throw engine_error(engine_errc::bad_option, "the device step kernels take 1 to 5 heads, the tree needs " +
-                                                      std::to_string(heads));
     step_op op;
-    with_heads(heads, [&](auto h) {
-      constexpr int H = decltype(h)::value;
-      auto p = kernels_for<H>::plan(batch, vocab, medusa::cuda::kernels::verify_kind::greedy, t, 0.0f, 0, 1.0f, 4 * sms_);
-      op.workspace_bytes = p.workspace_bytes;
-      op.plan.template emplace<H - 1>(p);
-    });
+    op.plan = step_kernels::plan(batch, heads, vocab, medusa::cuda::kernels::verify_kind::greedy, t,
+                                 0.0f, 0, 1.0f, 4 * sms_);
     const std::vector<int> packed = medusa::cuda::pack_tree(t);
     op.tree_ints = owned(packed.size() * sizeof(int));
     upload(op.tree_ints.get(), packed.data(), packed.size() * sizeof(int));
-    op.workspace = owned(std::max<std::size_t>(op.workspace_bytes, 1));
+    op.workspace = owned(std::max<std::size_t>(op.plan.workspace_bytes, 1));
     op.tree = medusa::cuda::tree_arrays::over(t, static_cast<const int*>(op.tree_ints.get()));
     sync();
     return op;
   }
   void candidates(step_op& op, const float* head_logits, const std::int32_t* roots, const std::int32_t* lengths,
                   std::int32_t* node_tokens, std::int32_t* positions, std::int32_t* status) {
-    with_heads(static_cast<int>(op.plan.index()) + 1, [&](auto h) {
-      constexpr int H = decltype(h)::value;
-      const auto& p = std::get<H - 1>(op.plan);
-      check_cuda(kernels_for<H>::candidates(p, op.tree, head_logits, p.vocab, roots, lengths, node_tokens, positions,
-                                            status, op.workspace.get(), op.workspace_bytes, stream_),
-                 "candidates");
-    });
+    check_cuda(step_kernels::candidates(op.plan, op.tree, head_logits, op.plan.vocab, roots,
+                                        lengths, node_tokens, positions, status, op.workspace.get(),
+                                        op.plan.workspace_bytes, stream_),
+               "candidates");
   }
   void verify(step_op& op, const medusa::cuda::kernels::verify_args<float>& a) {
-    with_heads(static_cast<int>(op.plan.index()) + 1, [&](auto h) {
-      constexpr int H = decltype(h)::value;
-      const auto& p = std::get<H - 1>(op.plan);
-      check_cuda(kernels_for<H>::verify(p, op.tree, a, op.workspace.get(), op.workspace_bytes, stream_), "verify");
-    });
+    check_cuda(step_kernels::verify(op.plan, op.tree, a, op.workspace.get(),
+                                    op.plan.workspace_bytes, stream_),
+               "verify");
   }
 
   struct argmax_op {
@@ -282,17 +264,6 @@ class device_executor {
  private:
   static constexpr std::size_t lt_ws_bytes = std::size_t{32} << 20;
   static constexpr std::size_t blas_ws_bytes = std::size_t{32} << 20;
-
-  template <class F>
-  static void with_heads(int h, F&& f) {
-    switch (h) {
-      case 1: f(std::integral_constant<int, 1>{}); break;
-      case 2: f(std::integral_constant<int, 2>{}); break;
-      case 3: f(std::integral_constant<int, 3>{}); break;
-      case 4: f(std::integral_constant<int, 4>{}); break;
-      default: f(std::integral_constant<int, 5>{}); break;
-    }
-  }
 
   std::shared_ptr<void> owned(std::size_t bytes) {
     return std::shared_ptr<void>(alloc(bytes), [](void* p) { (void)cudaFree(p); });
