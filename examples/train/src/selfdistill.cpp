@@ -3,6 +3,8 @@
 
 #include "common.hpp"
 
+#include <medusa_llama/prompt_file.hpp>
+
 #include <medusa/acceptance.hpp>
 #include <medusa/candidates.hpp>
 #include <medusa/decoder.hpp>
@@ -45,22 +47,6 @@ bool held_out(std::string_view key, double fraction) {
   return static_cast<double>(fnv1a64(key) % 1000000) < fraction * 1e6;
 }
 
-std::string unescape(std::string_view s) {
-  std::string o;
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    if (s[i] == '\\' && i + 1 < s.size()) {
-      const char c = s[i + 1];
-      if (c == 'n' || c == 't' || c == '\\') {
-        o += c == 'n' ? '\n' : c == 't' ? '\t' : '\\';
-        ++i;
-        continue;
-      }
-    }
-    o += s[i];
-  }
-  return o;
-}
-
 }  // namespace
 
 prompt_set prompt_set::from_corpus(const std::filesystem::path& dir, double eval_fraction) {
@@ -94,17 +80,8 @@ prompt_set prompt_set::from_corpus(const std::filesystem::path& dir, double eval
 
 prompt_set prompt_set::from_file(const std::filesystem::path& file, double eval_fraction) {
   if (!(eval_fraction >= 0 && eval_fraction < 1)) throw medusa::invalid_input("eval fraction must be in [0, 1)");
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw medusa::invalid_input("cannot read prompt file " + file.string());
   prompt_set s;
-  std::string line;
-  std::vector<std::string> lines;
-  while (std::getline(in, line)) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    if (line.find_first_not_of(" \t") == std::string::npos) continue;
-    lines.push_back(unescape(line));
-  }
-  if (lines.empty()) throw medusa::invalid_input("prompt file " + file.string() + " has no prompt");
+  const std::vector<std::string> lines = medusa_llama::read_prompt_lines(file);
   const std::size_t every = eval_fraction > 0 ? std::max<std::size_t>(2, static_cast<std::size_t>(std::lround(1.0 / eval_fraction))) : 0;
   for (std::size_t i = 0; i < lines.size(); ++i)
     (every && lines.size() >= 2 && i % every == every - 1 ? s.eval_lines_ : s.train_lines_).push_back(lines[i]);

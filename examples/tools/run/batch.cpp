@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: Apache-2.0
+// --prompts-file on the CPU batch engine: every prompt, --batch at a time.
+#include "run/modes.hpp"
+#include "run/report.hpp"
+
+#include <medusa_llama/batch_engine.hpp>
+
+#include <chrono>
+#include <deque>
+#include <exception>
+#include <type_traits>
+
+namespace medusa_run {
+namespace {
+
+// Decodes every prompt through `dec` on `eng`, at most `dec.max_batch()` at once: a request joins
+// as soon as one leaves (continuous batching). Request ids are engine slots.
+template <class Decoder>
+batch_report serve_all(Decoder& dec, medusa_llama::batch_engine& eng, const std::vector<std::vector<std::int32_t>>& prompts,
+                       const medusa::decode_options& dopt, int bos, const std::string& mode) {
+  batch_report rep;
+  rep.mode = mode;
+  rep.results.resize(prompts.size());
+  std::deque<std::size_t> waiting;
+  for (std::size_t i = 0; i < prompts.size(); ++i) waiting.push_back(i);
+  std::vector<std::size_t> client_of(static_cast<std::size_t>(dec.max_batch()));
+  std::vector<bool> busy(client_of.size(), false);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!waiting.empty() || !dec.empty()) {
+    for (std::size_t id = 0; id < busy.size() && !waiting.empty(); ++id) {
+      if (busy[id]) continue;
+      // A generated BOS starts a new document: stop there, as llama2.c's run.c does.
+      dec.join(static_cast<int>(id), prompts[waiting.front()], dopt, [bos](std::int32_t t) { return t != bos; });
+      client_of[id] = waiting.front();
+      busy[id] = true;
+      waiting.pop_front();
+    }
+    for (medusa::request_update& u : dec.step()) {
+      if (!u.finished) continue;
+      const auto id = static_cast<std::size_t>(u.request);
+      if (u.error) std::rethrow_exception(u.error);
+      eng.release(u.request, 0);
+      rep.results[client_of[id]] = std::move(u.result);
+      busy[id] = false;
+    }
+    ++rep.steps;
+  }
+  rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return rep;
+}
+
+// --prompts-file: every prompt decoded plainly and/or with Medusa, `--batch` at a time, on the
+// serving engine (one ragged forward per step over a paged KV pool).
+template <class Policy>
+int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vector<std::vector<std::int32_t>>& prompts,
+              const std::optional<medusa::tree>& given_tree, const auto_inputs& ain, const medusa::head_weights& head_w,
+              const Policy& policy) {
+  const bool auto_tree = a.mode != run_mode::vanilla && !given_tree;
+  medusa_llama::batch_engine_options eo;
+  eo.threads = a.threads;
+  eo.max_requests = *a.batch;
+  eo.max_tokens = std::max(256, *a.batch * ((auto_tree ? a.max_nodes : given_tree ? given_tree->num_nodes() : 1) + a.lookup));
+  set_weight_formats(eo, a, lm.weights);
+  medusa_llama::batch_engine eng(std::move(lm.weights), eo);
+  tree_choice choice;
+  std::size_t prompt_sum = 0;
+  for (const auto& p : prompts) prompt_sum += p.size();
+  const int mean_context = static_cast<int>(prompt_sum / std::max<std::size_t>(1, prompts.size())) + a.max_new_tokens / 2;
+  if (auto_tree) choice = choose_auto_tree(a, ain, eng, head_w, *a.batch, eo.max_tokens, mean_context);
+  else if (given_tree) choice = {given_tree, describe(*given_tree, a.tree)};
+  const std::optional<medusa::tree>& tree = choice.tree;
+  medusa::decode_options dopt;
+  dopt.max_new_tokens = a.max_new_tokens;
+  dopt.eos_token = lm.tok->eos_id();
+  dopt.seed = a.seed;
+  const int bos = lm.tok->bos_id();
+
+  std::vector<batch_report> reports;
+  if (a.mode != run_mode::medusa) {
+    medusa::no_heads none;
+    medusa::batch_decoder dec(eng, none, medusa::plain_tree{}, policy, *a.batch);
+    reports.push_back(serve_all(dec, eng, prompts, dopt, bos, "vanilla"));
+  }
+  if (a.mode != run_mode::vanilla) {
+    auto heads = pack_heads(eng, head_w, a, tree->depth());
+    const auto drafter = make_drafter(a, *tree, tree->depth());
+    reports.push_back(with_tree_source<Policy>(drafter, *tree, [&](const auto& t) {
+      medusa::batch_decoder dec(eng, heads, t, policy, *a.batch);
+      return serve_all(dec, eng, prompts, dopt, bos, "medusa");
+    }));
+  }
+  for (auto& r : reports)
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      text_sink sink(*lm.tok, prompts[i].back(), false);
+      for (auto t : r.results[i].tokens) sink(t);
+      r.texts.push_back(sink.text());
+    }
+
+  if (!a.calibrate_out.empty()) write_calibration(a, eng, head_w, prompts, reports[0].results);
+
+  // Lossless check: with greedy acceptance every request's Medusa tokens are its plain tokens.
+  constexpr bool greedy = std::is_same_v<Policy, medusa::greedy_policy>;
+  nlohmann::json summary = {{"batch", *a.batch}, {"requests", prompts.size()}, {"threads", eng.threads()},
+                            {"max_new_tokens", a.max_new_tokens}, {"weights", weights_json(eng.options())}};
+  if (tree) {
+    summary["tree"] = choice.info;
+    summary["tree"]["drafts"] = describe_drafts(a);
+  }
+  return report_batch(a, reports, prompts.size(), *a.batch, summary, greedy, greedy ? predicted_note(choice.info) : "");
+}
+
+}  // namespace
+
+int run_batched(const run_args& a, medusa_llama::loaded_model& lm, const std::vector<std::vector<std::int32_t>>& prompts,
+                const std::optional<medusa::tree>& tree, const auto_inputs& ain, const medusa::head_weights& head_w,
+                const medusa::policy_options& popt) {
+  int rc = 0;
+  medusa::dispatch_policy(a.policy, popt, [&](auto policy) { rc = run_batch(a, lm, prompts, tree, ain, head_w, policy); },
+                          run_policies{});
+  return rc;
+}
+
+}  // namespace medusa_run

@@ -1,0 +1,53 @@
+// SPDX-License-Identifier: Apache-2.0
+// medusa-run's options, as the command line sets them, and the policies it offers.
+#pragma once
+
+#include <medusa/acceptance.hpp>
+#include <medusa/dispatch/policy.hpp>
+
+#include <medusa_llama/cuda_engine.hpp>
+#include <medusa_llama/packed_heads.hpp>
+
+#include "tool_common.hpp"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace medusa_run {
+
+using medusa_tools::usage_error;
+
+enum class run_mode { vanilla, medusa, both };
+
+struct run_args {
+  std::string model, tokenizer, heads, tree = "auto", policy = "greedy", prompt, prompt_file, prompts_file;
+  int max_nodes = 64;                                    // --tree auto: largest tree considered
+  std::string step_cost_file, step_cost_out, cost_cache;  // --tree auto: the step-cost curve
+  std::string calibration;                               // --tree auto: default calibration.json beside the heads
+  int lookup = 0;                                        // lookup branch of up to N tokens (0 = off)
+  int lookup_min = 2, lookup_max = 4;                    // n-gram sizes matched
+  bool dynamic = false;                                  // per-step dynamic trees of the chosen size
+  std::string calibrate_out;                             // write path counts of the greedy outputs here
+  std::optional<int> batch;  // requests at once with --prompts-file (default 1)
+  run_mode mode = run_mode::medusa;
+  std::optional<float> temperature;  // unset: the policy's default
+  float top_p = 1.0f;
+  std::uint64_t seed = 0;
+  int max_new_tokens = 256;
+  int threads = 0;
+  std::optional<medusa_llama::weight_format> weights;  // unset (auto): what the model file stores
+  std::optional<medusa_llama::weight_format> classifier_weights;  // unset: the engine's rule
+  medusa_llama::weight_format head_weights = medusa_llama::weight_format::int8;
+  bool json = false;
+  std::string device = "cpu";                                             // cpu | cuda
+  medusa_llama::cuda_precision precision = medusa_llama::cuda_precision::bf16;  // --device cuda
+  bool cuda_gemm_fast = false;                                            // --cuda-gemm fast
+};
+
+// The policies medusa-run offers (speculative_policy needs a draft distribution per node, which
+// heads do not give; draft_sampling_policy draws the drafts from the heads' softmax).
+using run_policies = medusa::policy_list<medusa::greedy_policy, medusa::typical_policy, medusa::rejection_policy,
+                                         medusa::draft_sampling_policy>;
+
+}  // namespace medusa_run

@@ -1,0 +1,209 @@
+// SPDX-License-Identifier: Apache-2.0
+// What a medusa-run needs before it decodes: heads, the tree (given, or `--tree auto`), per-step
+// drafts, the prompts' tokens, the engine's weight formats; and --calibrate-out after it.
+#pragma once
+
+#include <medusa/decoder/calibrate.hpp>
+#include <medusa/dispatch/tree.hpp>
+#include <medusa/drafts.hpp>
+#include <medusa/io.hpp>
+#include <medusa/medusa.hpp>
+
+#include <medusa_llama/cpu.hpp>
+#include <medusa_llama/load.hpp>
+#include <medusa_llama/model.hpp>
+#include <medusa_llama/packed_heads.hpp>
+#include <medusa_llama/tokenizer.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "auto_tree.hpp"
+#include "run/options.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace medusa_run {
+
+// `random:K[:SEED]`: see medusa_llama::random_heads.
+medusa::head_weights parse_random_heads(const std::string& spec, const medusa_llama::model& m);
+// A tree file, or tree text.
+medusa::tree load_tree(const std::string& spec);
+// --prompt-file's text.
+std::string read_text_file(const std::string& path);
+// The heads `--heads` names (a file or directory, or random:K[:SEED]), checked against the model
+// and the tree.
+medusa::head_weights load_head_weights(const run_args& a, const medusa_llama::model& m, int min_depth);
+
+// The heads as the engine runs them: a per-head stack, or a shared-lm_head stack over the model's
+// classifier. Only the heads the tree reaches are packed.
+template <class Engine>
+medusa_llama::packed_heads pack_heads(Engine& eng, const medusa::head_weights& w, const run_args& a, int depth) {
+  const auto stack = w.kind() == medusa::projection_kind::per_head
+                         ? w.view()
+                         : w.view(medusa::weight_ptr::of(eng.weights().classifier()),
+                                  static_cast<std::size_t>(eng.config().vocab_size));
+  // Their precision only changes which drafts are proposed (the model verifies every one), so
+  // int8 is the default.
+  return medusa_llama::packed_heads(eng, stack, a.head_weights, depth);
+}
+
+// The tree a run decodes with, and what `--json` says about it.
+struct tree_choice {
+  std::optional<medusa::tree> tree;
+  nlohmann::json info;  // spec, paths, nodes, depth; for auto also the prediction and its inputs
+};
+
+nlohmann::json describe(const medusa::tree& t, const std::string& spec);
+
+// `--tree auto` before the model loads: what it will need (errors surface before the slow parts).
+struct auto_inputs {
+  bool random_heads = false;
+  std::optional<std::filesystem::path> calibration_file;
+  std::optional<medusa::path_calibration> calibration;
+  std::optional<medusa::step_cost_curve> given_cost;  // --step-cost
+};
+
+auto_inputs prepare_auto(const run_args& a);
+
+// `--tree auto` once the engine exists: random heads get a small chain (they are never right);
+// trained heads the tree `optimize_tree` picks from their calibration and this machine's step
+// costs. Heads without a calibration get a chain too, with a warning saying so.
+// `context`: the mean context of the run's steps (prompt + half the new tokens): attention grows
+// with it, so a step's cost relative to a plain one is measured there.
+template <class Engine>
+tree_choice choose_auto_tree(const run_args& a, const auto_inputs& in, Engine& eng, const medusa::head_weights& head_w,
+                             int batch, int max_rows, int context) {
+  const int heads = static_cast<int>(head_w.num_heads());
+  tree_choice c;
+  if (!in.calibration) {
+    const int depth = std::min(heads, 3);
+    c.tree = medusa::tree::from_paths(medusa_tools::chain_paths(depth));
+    c.info = describe(*c.tree, "auto");
+    c.info["reason"] = in.random_heads ? "random heads: a small chain" : "no calibration.json beside the heads: a small chain";
+    if (!in.random_heads)
+      std::fprintf(stderr, "medusa-run: warning: no calibration.json beside %s: --tree auto uses a %d-node chain (pass --tree)\n",
+                   a.heads.c_str(), depth + 1);
+    return c;
+  }
+  const medusa::path_calibration& cal = *in.calibration;
+  medusa_tools::step_cost_source src;
+  medusa::step_cost_curve curve;
+  if (in.given_cost) {
+    curve = *in.given_cost;
+    src = {"file", a.step_cost_file, 0.0};
+  } else {
+    std::vector<int> rows;
+    for (int n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256})
+      if (n == 1 || (n <= max_rows && n <= std::max(2, batch * a.max_nodes))) rows.push_back(n);
+    const auto& eo = eng.options();
+    std::string formats = medusa_llama::to_string(eo.weights);
+    if (eo.classifier_weights) formats += std::string("/") + medusa_llama::to_string(*eo.classifier_weights);
+    // Contexts in steps of 64 share a cached curve; the measurement clamps it to the cache.
+    context = std::max(64, (context + 63) / 64 * 64);
+    const std::string key = medusa_tools::step_cost_key(a.model, eng.threads(), formats, medusa_llama::to_string(a.head_weights), heads,
+                                                        rows, context);
+    curve = medusa_tools::cached_step_cost(
+        medusa_tools::cost_cache_dir(a.cost_cache), key,
+        [&] {
+          auto all = pack_heads(eng, head_w, a, heads);
+          return medusa::measure_step_cost(eng, all, {.rows = rows, .context = context});
+        },
+        src);
+  }
+  if (!a.step_cost_out.empty()) {
+    std::ofstream out(a.step_cost_out, std::ios::binary);
+    out << medusa::step_cost_json(curve);
+    if (!out) throw medusa::io_error("--step-cost-out " + a.step_cost_out + ": cannot write");
+  }
+  const auto plan = medusa::optimize_tree(cal, medusa_tools::per_request_curve(curve, batch, a.max_nodes),
+                                          {.max_nodes = a.max_nodes, .max_depth = heads});
+  medusa::tree_options topt;
+  topt.topk = std::max(medusa::default_topk, cal.topk());
+  c.tree = medusa::tree::from_paths(plan.paths, topt);
+  c.info = describe(*c.tree, "auto");
+  c.info["expected_tokens_per_step"] = plan.expected_tokens;
+  c.info["relative_step_cost"] = plan.relative_cost;
+  c.info["predicted_speedup"] = plan.predicted_speedup;
+  c.info["calibration"] = in.calibration_file->string();
+  c.info["calibration_kind"] = cal.conditional() ? "path-conditional" : "independent";
+  c.info["step_cost"] = {{"source", src.kind}, {"file", src.file}, {"measure_seconds", src.seconds}, {"batch", batch}};
+  const std::string where = src.kind == "measured" ? fmt::format("measured in {:.2f} s", src.seconds) : src.kind + " " + src.file;
+  std::fprintf(stderr, "tree auto: %s (%d nodes): %.2f tokens/step expected, a step costs %.2fx a plain one, predicted speedup %.2fx (step costs %s)\n",
+               c.info["paths"].dump().c_str(), c.tree->num_nodes(), plan.expected_tokens, plan.relative_cost, plan.predicted_speedup,
+               where.c_str());
+  if (plan.predicted_speedup < 1.0)
+    std::fprintf(stderr, "medusa-run: warning: no tree is predicted to beat plain decoding on this machine (best %.2fx)\n",
+                 plan.predicted_speedup);
+  return c;
+}
+
+// Per-step drafts (--lookup, --dynamic): a step_drafter over the chosen tree, or nothing.
+std::optional<medusa::step_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads);
+
+// Runs `body(tree_source)` with the per-step drafter when there is one, else with the tree (a
+// preset on its compile-time instantiation). `draft_sampling_policy` draws its own drafts and
+// takes no per-step drafter (checked before the model loads).
+template <class Policy, class F>
+decltype(auto) with_tree_source(const std::optional<medusa::step_drafter>& drafter, const medusa::tree& t, F&& body) {
+  if constexpr (!medusa::depth_draft_policy<Policy>)
+    if (drafter) return body(*drafter);
+  return medusa::dispatch_tree(t, body);
+}
+
+nlohmann::json describe_drafts(const run_args& a);
+
+// --calibrate-out: path-conditional counts of the heads over each prompt and its greedy output
+// (real decoding, docs/tree.md), written as calibration.json version 2.
+template <class Engine>
+void write_calibration(const run_args& a, Engine& eng, const medusa::head_weights& head_w,
+                       const std::vector<std::vector<std::int32_t>>& prompts, const std::vector<medusa::decode_result>& outputs) {
+  const int heads = static_cast<int>(head_w.num_heads());
+  auto all = pack_heads(eng, head_w, a, heads);
+  medusa::path_counter counts(heads, medusa::default_topk);
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    std::vector<std::int32_t> seq = prompts[i];
+    seq.insert(seq.end(), outputs[i].tokens.begin(), outputs[i].tokens.end());
+    // The last token of a context-full request was never run: the context holds one fewer.
+    const auto context = static_cast<std::size_t>(eng.config().seq_len);
+    if (seq.size() > context) seq.resize(context);
+    // From the last prompt position on: where decoding runs the heads.
+    if (seq.size() >= 3) medusa::count_paths(eng, all, seq, counts, static_cast<int>(prompts[i].size()) - 1);
+  }
+  if (counts.positions() == 0) throw medusa::decode_error("--calibrate-out: no position to count (outputs too short)");
+  std::ofstream out(a.calibrate_out, std::ios::binary);
+  out << medusa::calibration_json(counts);
+  if (!out) throw medusa::io_error("--calibrate-out " + a.calibrate_out + ": cannot write");
+  std::fprintf(stderr, "calibration: %llu positions of %zu request(s) -> %s\n", static_cast<unsigned long long>(counts.positions()),
+               prompts.size(), a.calibrate_out.c_str());
+}
+
+// Tokenized prompt (BOS first) that leaves room for at least one new token.
+std::vector<std::int32_t> encode_prompt(const medusa_llama::tokenizer& tok, const std::string& text, int seq_len,
+                                        const std::string& what);
+
+// The engine's weight formats: as asked, else what the model file stores (GGUF Q8_0 and Q4_0
+// matrices pack without loss into q8_0 and q4_0, BF16 into bf16; F16 and F32 stay float32).
+medusa_llama::weight_format native_format(medusa_llama::stored_type t);
+
+template <class Options>
+nlohmann::json weights_json(const Options& eo) {
+  return {{"blocks", medusa_llama::to_string(eo.weights)},
+          {"classifier", medusa_llama::to_string(medusa_llama::classifier_format(eo.weights, eo.classifier_weights))}};
+}
+
+template <class Options>
+void set_weight_formats(Options& eo, const run_args& a, const medusa_llama::model& m) {
+  eo.weights = a.weights ? *a.weights : native_format(m.stored());
+  if (a.classifier_weights) eo.classifier_weights = *a.classifier_weights;
+  else if (!a.weights) eo.classifier_weights = native_format(m.classifier_stored());
+}
+
+}  // namespace medusa_run

@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: Apache-2.0
+// One prompt on the CPU engine, plainly and/or with Medusa.
+#include "run/modes.hpp"
+#include "run/report.hpp"
+
+#include <medusa_llama/engine.hpp>
+
+#include <type_traits>
+
+namespace medusa_run {
+
+int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vector<std::int32_t>& prompt,
+               std::optional<medusa::tree> tree, const auto_inputs& ain, const medusa::head_weights& head_w,
+               const medusa::policy_options& popt) {
+  const bool auto_tree = a.mode != run_mode::vanilla && a.tree == "auto";
+  const bool want_medusa = a.mode != run_mode::vanilla;
+
+  medusa_llama::engine_options eo;
+  eo.threads = a.threads;
+  eo.max_batch = std::max(64, (auto_tree ? a.max_nodes : want_medusa ? tree->num_nodes() : 1) + a.lookup);
+  eo.backend = medusa_llama::gemm_backend::builtin;
+  set_weight_formats(eo, a, lm.weights);
+  medusa_llama::engine model(std::move(lm.weights), eo);
+  tree_choice choice;
+  if (auto_tree) {
+    choice = choose_auto_tree(a, ain, model, head_w, 1, eo.max_batch, static_cast<int>(prompt.size()) + a.max_new_tokens / 2);
+    tree = choice.tree;
+  } else if (want_medusa) {
+    choice = {tree, describe(*tree, a.tree)};
+  }
+  std::optional<medusa_llama::packed_heads> heads;
+  std::optional<medusa::step_drafter> drafter;
+  if (want_medusa) {
+    heads.emplace(pack_heads(model, head_w, a, tree->depth()));
+    drafter = make_drafter(a, *tree, tree->depth());
+    choice.info["drafts"] = describe_drafts(a);
+  }
+
+  medusa::decode_options dopt;
+  dopt.max_new_tokens = a.max_new_tokens;
+  dopt.eos_token = lm.tok->eos_id();
+  dopt.seed = a.seed;
+  const int bos = lm.tok->bos_id();
+  const bool stream = !a.json;
+
+  auto run_policy = [&](auto policy) {
+    std::vector<run_report> reports;
+    auto one = [&](const std::string& mode) {
+      if (stream && a.mode == run_mode::both) std::printf("--- %s ---\n", mode.c_str());
+      text_sink sink(*lm.tok, prompt.back(), stream);
+      // A generated BOS starts a new document: stop there, as llama2.c's run.c does.
+      auto on_token = [&](std::int32_t t) {
+        sink(t);
+        return t != bos;
+      };
+      run_report r;
+      r.mode = mode;
+      if (mode == "vanilla") {
+        r.result = medusa::generate_vanilla(model, prompt, policy, dopt, on_token);
+      } else {
+        // A preset runs on its compile-time tree, any other tree on the run-time one.
+        r.result = with_tree_source<decltype(policy)>(drafter, *tree, [&](const auto& t) {
+          medusa::decoder dec(model, *heads, t, policy);
+          return dec.generate(prompt, dopt, on_token);
+        });
+        r.tree = choice.info;
+      }
+      r.text = sink.text();
+      if (stream) {
+        std::printf("\n");
+        std::fflush(stdout);  // the summary goes to stderr after this
+      }
+      if (a.json) {
+        auto j = to_json(r);
+        j["weights"] = weights_json(model.options());
+        j["peak_rss_bytes"] = peak_rss_bytes();
+        j["cpu_target"] = medusa_llama::cpu_target();
+        std::printf("%s\n", json_line(j).c_str());
+      }
+      reports.push_back(std::move(r));
+    };
+    if (a.mode != run_mode::medusa) one("vanilla");
+    if (a.mode != run_mode::vanilla) one("medusa");
+    if (!a.calibrate_out.empty())
+      write_calibration(a, model, head_w, std::vector<std::vector<std::int32_t>>{prompt}, std::vector<medusa::decode_result>{reports[0].result});
+    if (stream) {
+      for (const auto& r : reports) {
+        const auto& s = r.result.stats;
+        std::fprintf(stderr, "%-7s %4d tokens in %6.3f s: %7.1f tokens/s, %5.2f tokens/step (%s)\n", r.mode.c_str(),
+                     s.new_tokens, s.seconds.total, s.tokens_per_second(), s.mean_accepted(),
+                     std::string(medusa::to_string(r.result.reason)).c_str());
+      }
+      std::fprintf(stderr, "cpu kernels: %s, %d threads\n", medusa_llama::cpu_target().c_str(), model.threads());
+      if (reports.size() == 2) {
+        const bool same = reports[0].result.tokens == reports[1].result.tokens;
+        const double speedup =
+            speedup_of(reports[0].result.stats.tokens_per_second(), reports[1].result.stats.tokens_per_second());
+        std::fprintf(stderr, "tokens identical: %s%s\nspeedup (medusa / vanilla tokens per second): %.2fx%s\n",
+                     same ? "yes" : "no",
+                     std::is_same_v<decltype(policy), medusa::greedy_policy>
+                         ? ""
+                         : " (only greedy decoding is expected to match token for token)",
+                     speedup,
+                     std::is_same_v<decltype(policy), medusa::greedy_policy> ? predicted_note(choice.info).c_str() : "");
+      }
+    }
+  };
+
+  medusa::dispatch_policy(a.policy, popt, run_policy, run_policies{});
+  return medusa_tools::exit_ok;
+}
+
+}  // namespace medusa_run
