@@ -244,7 +244,8 @@ void BM_batch_step(benchmark::State& state) {
   step.tokens = tok;
   step.positions = pos;
   step.cache_lengths = lengths;
-  step.tree_mask = {mask, (n + 31) / 32};
+  const std::vector<medusa::tree_mask_view> masks(static_cast<std::size_t>(B), {mask, (n + 31) / 32});
+  step.request_masks = masks;
   step.logits = logits;
   step.hidden = hidden;
   const auto t0 = std::chrono::steady_clock::now();

@@ -54,7 +54,6 @@ class single_request_model {
                 "a model with commit(L, N, path) commits its own cache and must report max_context()");
 
  public:
-  static constexpr bool accepts_request_masks = true;  // one request: its mask is the pass's
   explicit single_request_model(Model& m) : m_(m) {}
   [[nodiscard]] int vocab_size() { return static_cast<int>(m_.vocab_size()); }
   [[nodiscard]] int hidden_size() { return static_cast<int>(m_.hidden_size()); }
@@ -80,10 +79,10 @@ class single_request_model {
     f.hidden = b.hidden;
     m_.forward(f);
   }
-  void reserve(int request, int slots)
+  decltype(auto) reserve(int request, int slots)  // the slots granted, when the model says
     requires kv_reserving_model<Model>
   {
-    m_.reserve(request, slots);
+    return m_.reserve(request, slots);
   }
   void release(int request, int length)
     requires kv_releasing_model<Model>

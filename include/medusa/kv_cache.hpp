@@ -64,6 +64,7 @@ enum class kv_errc {
   block_table_too_short,  //!< paged cache: the block table does not map the slots needed
   invalid_block,          //!< paged cache: a block-table entry outside the page pool
   size_mismatch,          //!< spans of a batch or of queries/outputs have inconsistent sizes
+  pool_exhausted,         //!< the engine's page pool cannot map even one more slot of a request
 };
 
 //! The name of a `kv_errc` value, e.g. `"invalid_path"`.
@@ -77,6 +78,7 @@ enum class kv_errc {
     case kv_errc::block_table_too_short: return "block_table_too_short";
     case kv_errc::invalid_block: return "invalid_block";
     case kv_errc::size_mismatch: return "size_mismatch";
+    case kv_errc::pool_exhausted: return "pool_exhausted";
   }
   return "unknown";
 }

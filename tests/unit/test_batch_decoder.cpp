@@ -37,7 +37,6 @@ struct pool_exhausted : std::runtime_error {
 class paged_engine {
  public:
   static constexpr int page_size = 4;
-  static constexpr bool accepts_request_masks = true;  // per-step drafts: each request's own tree
 
   paged_engine(const tiny_model& weights, int pool_pages, int max_context, int max_requests, bool bound_context = true)
       : w_(weights), pool_pages_(pool_pages), max_context_(max_context), bound_(bound_context),
@@ -68,6 +67,14 @@ class paged_engine {
     if (need > static_cast<int>(free_.size()))
       throw pool_exhausted("request " + std::to_string(r) + " needs " + std::to_string(need) + " pages, " +
                            std::to_string(free_.size()) + " are free");
+    grant(r, slots);
+  }
+
+  // Maps what the pool has left, up to `slots`; returns the slots now addressable.
+  int grant(int r, int slots) {
+    auto& t = table(r);
+    const int need = std::min(medusa::kv_pages_to_map(static_cast<int>(t.size()), 0, slots, page_size),
+                              static_cast<int>(free_.size()));
     for (int i = 0; i < need; ++i) {
       t.push_back(free_.back());
       free_.pop_back();
@@ -75,6 +82,7 @@ class paged_engine {
     in_use_ += need;
     peak_ = std::max(peak_, in_use_);
     ++reserves;
+    return static_cast<int>(t.size()) * page_size;
   }
 
   void release(int r, int length) {
@@ -100,6 +108,7 @@ class paged_engine {
       const int r = b.requests[static_cast<std::size_t>(i)];
       const int n = b.count(i);
       REQUIRE(n >= 1);
+      if (!b.last_row_only) rows_seen.push_back(n);
       const medusa::forward_batch f = tiny::request_slice(b, i);
       w_.run(kv_cache(r), f);
       if (corrupt) corrupt(r, f.logits);
@@ -111,6 +120,7 @@ class paged_engine {
   [[nodiscard]] int pages_mapped(int r) { return static_cast<int>(table(r).size()); }
 
   int forward_calls = 0, reserves = 0, releases = 0, max_requests_in_pass = 0;
+  std::vector<int> rows_seen;  // tokens of each request in each decoding pass
   std::function<void(int request, std::span<float> logits)> corrupt;  // fault injection
 
  private:
@@ -129,7 +139,16 @@ class paged_engine {
   int in_use_ = 0, peak_ = 0;
 };
 
+// The same engine over a pool that grants what it has left (`reserve` returns the slots mapped).
+class granting_engine : public paged_engine {
+ public:
+  using paged_engine::paged_engine;
+  int reserve(int r, int slots) { return grant(r, slots); }
+};
+
 static_assert(medusa::batch_decoder_model<paged_engine>);
+static_assert(!medusa::kv_granting_model<paged_engine>);
+static_assert(medusa::kv_granting_model<granting_engine>);
 static_assert(medusa::kv_reserving_model<paged_engine>);
 static_assert(medusa::kv_releasing_model<paged_engine>);
 static_assert(medusa::context_bounded_model<paged_engine>);
@@ -330,6 +349,98 @@ TEST_CASE("the context limit: tree steps near the end fall back to single steps,
   CHECK(res.reason == medusa::stop_reason::context_full);
   CHECK(res.tokens == alone.tokens);
   CHECK(res.stats.tree_steps >= 1);
+}
+
+// Oracle heads over the greedy continuations of `prompts` (deep acceptance), and those continuations.
+static oracle_heads oracle_for(tiny_model& weights, const std::vector<std::vector<std::int32_t>>& prompts,
+                        const medusa::decode_options& opt, std::vector<medusa::decode_result>& alone) {
+  oracle_heads oracle{5, {}, {}};
+  for (const auto& p : prompts) {
+    alone.push_back(medusa::generate_vanilla(weights, p, medusa::greedy_policy{}, opt));
+    auto seq = p;
+    seq.insert(seq.end(), alone.back().tokens.begin(), alone.back().tokens.end());
+    oracle.more_states.push_back(tiny::states_of(weights, seq));
+    oracle.more_sequences.push_back(std::move(seq));
+  }
+  return oracle;
+}
+
+TEST_CASE("a KV pool that grants part of a reserve shrinks tree steps to what fits; greedy stays plain greedy") {
+  tiny_model weights(512);
+  const medusa::tree tree = medusa::tree::preset("vicuna_7b_stage2");
+  const int N = tree.num_nodes();
+  medusa::decode_options opt;
+  opt.max_new_tokens = 40;
+  const std::vector<std::vector<std::int32_t>> prompts = {prompt_of(1), prompt_of(2)};
+  std::vector<medusa::decode_result> alone;
+  oracle_heads oracle = oracle_for(weights, prompts, opt, alone);
+  // Partial steps: more than the root, fewer than the whole tree.
+  auto partial_steps = [&](const paged_engine& e) {
+    return std::count_if(e.rows_seen.begin(), e.rows_seen.end(), [&](int n) { return n > 1 && n < N; });
+  };
+
+  SUBCASE("one request: whole trees while they fit, then their first nodes, then plain steps") {
+    const int L0 = static_cast<int>(prompts[0].size());
+    const int pages = medusa::kv_pages_for(L0 + N, paged_engine::page_size);  // one whole tree, at first
+    granting_engine eng(weights, pages, 256, 1);
+    medusa::batch_decoder dec(eng, oracle, tree, medusa::greedy_policy{}, 1);
+    dec.join(0, prompts[0], opt);
+    const medusa::request_update u = drain(dec).at(0);
+    INFO(u.error_message());
+    CHECK(u.reason == medusa::stop_reason::max_tokens);
+    CHECK(u.result.tokens == alone[0].tokens);
+    CHECK(std::count(eng.rows_seen.begin(), eng.rows_seen.end(), N) >= 1);
+    CHECK(partial_steps(eng) >= 1);
+    CHECK(u.result.stats.tree_steps > u.result.stats.steps / 4);  // partial trees still accept drafts
+    CHECK(eng.peak_pages() <= pages);
+  }
+  SUBCASE("sampled drafts: a part of the tree is verified with its own depth's draft rows") {
+    const int L0 = static_cast<int>(prompts[0].size());
+    granting_engine eng(weights, medusa::kv_pages_for(L0 + N, paged_engine::page_size), 256, 1);
+    random_heads rnd(5, 7);
+    medusa::batch_decoder dec(eng, rnd, tree, medusa::draft_sampling_policy{}, 1);
+    dec.join(0, prompts[0], opt);
+    const medusa::request_update u = drain(dec).at(0);
+    INFO(u.error_message());
+    CHECK(u.reason == medusa::stop_reason::max_tokens);
+    CHECK(partial_steps(eng) >= 1);
+  }
+  SUBCASE("two requests share a pool too small for both trees: each gets its tokens alone") {
+    int need = 0;
+    for (const auto& p : prompts) need += medusa::kv_pages_for(static_cast<int>(p.size()) + opt.max_new_tokens, paged_engine::page_size);
+    granting_engine eng(weights, need + 2, 256, 2);
+    medusa::batch_decoder dec(eng, oracle, tree, medusa::greedy_policy{}, 2);
+    dec.join(0, prompts[0], opt);
+    dec.join(1, prompts[1], opt);
+    const auto out = drain(dec);
+    for (int r = 0; r < 2; ++r) {
+      INFO("request " << r << ": " << out.at(r).error_message());
+      CHECK(out.at(r).result.tokens == alone[static_cast<std::size_t>(r)].tokens);
+    }
+    CHECK(partial_steps(eng) >= 1);
+  }
+  SUBCASE("a pool that cannot take one more token fails the request with pool_exhausted") {
+    const int L0 = static_cast<int>(prompts[0].size());
+    const int pages = medusa::kv_pages_for(L0 + 3, paged_engine::page_size);
+    const int slots = pages * paged_engine::page_size;
+    granting_engine eng(weights, pages, 256, 1);
+    medusa::batch_decoder dec(eng, oracle, tree, medusa::greedy_policy{}, 1);
+    dec.join(0, prompts[0], opt);
+    const medusa::request_update u = drain(dec).at(0);
+    REQUIRE(u.reason == medusa::stop_reason::failed);
+    CHECK_THROWS_AS(std::rethrow_exception(u.error), medusa::kv_cache_error);
+    try {
+      std::rethrow_exception(u.error);
+    } catch (const medusa::kv_cache_error& e) {
+      CHECK(e.code() == medusa::kv_errc::pool_exhausted);
+    }
+    CHECK(u.error_message().find("KV pool is exhausted") != std::string::npos);
+    // Every slot was used before it failed, and what it emitted is plain greedy's prefix.
+    CHECK(u.result.cache_length == slots);
+    REQUIRE(u.result.tokens.size() <= alone[0].tokens.size());
+    CHECK(std::equal(u.result.tokens.begin(), u.result.tokens.end(), alone[0].tokens.begin()));
+    CHECK(static_cast<int>(u.result.tokens.size()) == slots - L0);  // the next one is chosen, not emitted
+  }
 }
 
 TEST_CASE("sampling in a batch draws each request's own stream: the tokens it gets alone") {

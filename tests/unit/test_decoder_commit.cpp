@@ -91,7 +91,6 @@ class both_forms_model : public private_cache_model {
 class private_paged_engine {
  public:
   static constexpr int page_size = 4;
-  static constexpr bool accepts_request_masks = true;
 
   private_paged_engine(const tiny_model& weights, int pool_pages, int max_context, int max_requests)
       : w_(weights), max_context_(max_context), tables_(static_cast<std::size_t>(max_requests)) {
@@ -216,7 +215,6 @@ static_assert(medusa::decoder_model<both_forms_model>);
 static_assert(has_kv_cache<both_forms_model>);
 static_assert(medusa::batch_decoder_model<private_paged_engine>);
 static_assert(medusa::kv_committing_model<private_paged_engine>);
-static_assert(medusa::request_mask_model<private_paged_engine>);
 static_assert(!has_request_kv_cache<private_paged_engine>);
 static_assert(medusa::decoder_model<tiny_model>);  // a view-based model stays valid
 static_assert(!medusa::kv_committing_single_model<tiny_model>);

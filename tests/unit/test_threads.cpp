@@ -24,7 +24,6 @@ using tiny::tiny_model;
 // A request-per-cache model over shared const weights: the weights are only read (`run` is const).
 class shared_weights_model {
  public:
-  static constexpr bool accepts_request_masks = true;
   shared_weights_model(const tiny_model& weights, int capacity, int requests) : w_(weights), capacity_(capacity) {
     const std::size_t size = static_cast<std::size_t>(tiny_model::layers) * static_cast<std::size_t>(capacity) *
                              tiny_model::kv_heads * tiny_model::head_dim;

@@ -93,11 +93,10 @@ void check_ragged_batch(const model_config& c, const ragged_limits& lim, const m
     if (seen[sz(r)] != 0) fail(engine_errc::bad_request, request_name(r) + " appears twice in the batch", r);
     seen[sz(r)] = 1;
   }
-  const bool tree = !b.tree_mask.empty() || !b.request_masks.empty();
+  const bool tree = !b.request_masks.empty();
   if (!b.request_masks.empty() && b.request_masks.size() != B)
     fail(engine_errc::bad_batch, "request_masks has " + std::to_string(b.request_masks.size()) + " masks for " +
                                      std::to_string(B) + " requests");
-  int widest = 0;
   for (std::size_t i = 0; i < B; ++i) {
     const int r = b.requests[i], q0 = b.qo_indptr[i], n = b.qo_indptr[i + 1] - q0, L = b.cache_lengths[i];
     const std::string who = request_name(r) + ": ";
@@ -113,17 +112,14 @@ void check_ragged_batch(const model_config& c, const ragged_limits& lim, const m
                                       " slots; reserve first)", r);
     if (tree && n > lim.max_tokens)
       fail(engine_errc::bad_batch, who + "tree of " + std::to_string(n) + " tokens exceeds max_tokens " + std::to_string(lim.max_tokens), r);
-    widest = std::max(widest, n);
-    if (!b.request_masks.empty()) check_tree_mask(b.request_masks[i], n);
+    if (tree) check_tree_mask(b.mask_of(static_cast<int>(i)), n);
   }
-  // One check for all: the first n_b rows of a mask valid for the widest request are valid too.
-  if (tree && b.request_masks.empty()) check_tree_mask(b.tree_mask, widest);
   check_outputs(c, b.last_row_only ? B : sz(T), b.logits, b.hidden);
 }
 
 void for_each_pass(const medusa::ragged_batch& b, int max_tokens, const std::function<void(const pass_plan&)>& run) {
   const int B = b.size();
-  const bool tree = !b.tree_mask.empty() || !b.request_masks.empty();
+  const bool tree = !b.request_masks.empty();
   const bool wanted = !b.logits.empty() || !b.hidden.empty();
   std::vector<pass_piece> pieces;
   std::vector<int> out_rows;

@@ -59,11 +59,14 @@ struct ragged {
     positions.insert(positions.end(), pos.begin(), pos.end());
     indptr.push_back(static_cast<int>(tokens.size()));
   }
+  // A non-empty `mask` is every request's (the first n_b nodes of one tree); empty: causal.
   [[nodiscard]] medusa::ragged_batch batch(std::span<float> logits, std::span<float> hidden,
                                            medusa::tree_mask_view mask = {}, bool last_row_only = false) const {
+    masks.assign(mask.empty() ? 0 : requests.size(), mask);
     return {.requests = requests, .qo_indptr = indptr, .tokens = tokens, .positions = positions, .cache_lengths = lengths,
-            .tree_mask = mask, .last_row_only = last_row_only, .logits = logits, .hidden = hidden};
+            .request_masks = masks, .last_row_only = last_row_only, .logits = logits, .hidden = hidden};
   }
+  mutable std::vector<medusa::tree_mask_view> masks;
 };
 
 std::vector<int> iota_from(int start, int n) {

@@ -115,6 +115,27 @@ inline void check_logits_row(int request, std::uint64_t step, std::span<const fl
     throw model_output_error(request, step, model_output::logits, where + ": every logit is -Inf");
 }
 
+// The first `m` nodes of `t` as a tree of their own (nodes are ordered by depth, so they hold the
+// root and every node's parent): the largest part of a tree step that fits a short KV pool.
+template <class Tree>
+::medusa::tree first_nodes(const Tree& t, int m) {
+  std::vector<std::vector<int>> paths;  // node i >= 1: the ranks from the root down to it
+  for (int i = 1; i < m; ++i) {
+    std::vector<int>& path = paths.emplace_back();
+    for (int v = i; v > 0; v = static_cast<int>(t.parent(v))) path.push_back(static_cast<int>(t.rank(v)));
+    std::reverse(path.begin(), path.end());
+  }
+  tree_options opts;
+  opts.topk = std::max(1, static_cast<int>(t.topk()));
+  opts.max_depth = std::max(1, static_cast<int>(t.depth()));
+  ::medusa::tree part = ::medusa::tree::from_paths(paths, opts);
+  for (int i = 0; i < m; ++i)  // node i must keep its index: its token, row and slot are node i's
+    if (part.parent(i) != static_cast<int>(t.parent(i)))
+      throw decode_error("the first " + std::to_string(m) + " nodes of the tree are not in canonical order (node " +
+                         std::to_string(i) + ")");
+  return part;
+}
+
 }  // namespace detail
 
 //! The one-node tree of plain decoding: with it (and `no_heads`) every step of a `batch_decoder`
@@ -177,7 +198,10 @@ struct request_update {
 //!   drawn without replacement from the heads' warped softmax (`sample_candidates`, at the step
 //!   of the verify call), whose draft rows go to that request's `verify_request`;
 //! - otherwise (near the end of its context or of `max_new_tokens`, pending EOS, a one-node tree):
-//!   a plain step, emitting the pending token and running it as one row of the same forward.
+//!   a plain step, emitting the pending token and running it as one row of the same forward;
+//! - with a KV pool that grants fewer slots than asked (`kv_granting_model`): the first nodes of
+//!   the tree that fit, or a plain step; a request of which no slot fits fails with
+//!   `kv_cache_error` (`kv_errc::pool_exhausted`).
 //!
 //! With a root-only tree (`tree::from_text("[]")`) and `no_heads` this is plain batched decoding.
 //!
@@ -188,8 +212,7 @@ struct request_update {
 //! @tparam Heads  satisfies `draft_heads` (at least `tree.depth()` heads); `batched_draft_heads` is
 //!                used when available
 //! @tparam Tree   satisfies `tree_like` (one tree for every step), or `step_drafts` (each tree
-//!                step builds its own tree: `step_drafter`, drafts.hpp; the model must then take
-//!                `ragged_batch::request_masks`, `request_mask_model`)
+//!                step builds its own tree: `step_drafter`, drafts.hpp)
 //! @tparam Policy satisfies `acceptance_policy`
 template <batch_decoder_model Model, draft_heads Heads, class Tree, acceptance_policy Policy>
   requires tree_like<Tree> || step_drafts<Tree>
@@ -224,7 +247,7 @@ class batch_decoder {
     head_in_.resize(B * d);
     head_logits_.resize(B * to_size(num_heads_) * V);
     if constexpr (!per_step) flat_.resize(flat_candidates_size(tree_, num_heads_));
-    if constexpr (per_step) masks_.resize(B);
+    masks_.resize(B);
     tokens_.resize(B * N);
     positions_.resize(B * N);
     ids_.resize(B);
@@ -388,7 +411,8 @@ class batch_decoder {
     std::int32_t pending = -1;
     std::uint64_t step = 0;  // Philox counter: 0 for the prefill root, then one per step
     std::vector<float> h;    // the hidden state the heads read next
-    std::optional<::medusa::tree> step_tree;  // per-step drafts: this step's tree
+    std::optional<::medusa::tree> step_tree;  // per-step drafts: this step's tree; else the part of
+                                              // the shared tree a short KV pool left room for
     std::vector<std::int32_t> history;  // per-step drafts: prompt and generated tokens (for lookups)
     decode_result result;
     std::exception_ptr error;
@@ -403,8 +427,6 @@ class batch_decoder {
   // Per-step drafts: each tree step of each request builds its own tree (`step_drafts`).
   static constexpr bool per_step = !tree_like<Tree>;
   static_assert(!per_step || !samples_drafts, "per-step drafts take top-K candidates: use another policy");
-  static_assert(!per_step || request_mask_model<Model>,
-                "per-step drafts need a model that takes ragged_batch::request_masks (request_mask_model)");
   [[nodiscard]] int max_nodes() const {
     if constexpr (per_step) return tree_.max_nodes();
     else return tree_.num_nodes();
@@ -429,6 +451,13 @@ class batch_decoder {
     if constexpr (per_step) return {};
     else if constexpr (has_mask_view) return tree_.mask_view();
     else return {mask_, tree_.words_per_row()};
+  }
+  // Calls `f` with the tree of request `s`'s tree step: its own (per-step drafts, or the part of
+  // the shared tree that fitted its KV pool), else the shared one.
+  template <class F>
+  decltype(auto) with_step_tree(const slot& s, F&& f) {
+    if constexpr (per_step) return f(*s.step_tree);
+    else return s.step_tree ? f(*s.step_tree) : f(tree_);
   }
 
   slot* find(int request) {
@@ -490,16 +519,23 @@ class batch_decoder {
     return b;
   }
 
-  // Maps (hook) and checks slots [L, L + count) of a request before a forward writes them. A
-  // model that commits itself is checked against its context before it maps anything.
-  void prepare_append(slot& s, int L, int count) {
-    if constexpr (kv_committing_model<Model>) {
-      detail::kv_check_append_within(context_of(s.id), L, count);
-      if constexpr (kv_reserving_model<Model>) model_.reserve(s.id, L + count);
-    } else {
-      if constexpr (kv_reserving_model<Model>) model_.reserve(s.id, L + count);
-      kv_check_append(model_.kv_cache(s.id), L, count);
+  // Maps (hook) and checks slots [L, L + count) of a request before a forward writes them, and
+  // returns how many of the `count` the engine could map (all, unless its `reserve` grants fewer).
+  // A model that commits itself is checked against its context before it maps anything.
+  int prepare_append(slot& s, int L, int count) {
+    if constexpr (kv_committing_model<Model>) detail::kv_check_append_within(context_of(s.id), L, count);
+    int fit = count;
+    if constexpr (kv_granting_model<Model>) {
+      fit = std::min(count, static_cast<int>(model_.reserve(s.id, L + count)) - L);
+      if (fit < 1)
+        throw kv_cache_error(kv_errc::pool_exhausted,
+                             "request " + std::to_string(s.id) + ": the KV pool is exhausted: not one more slot past " +
+                                 std::to_string(L) + " can be mapped (asked for " + std::to_string(L + count) + ")");
+    } else if constexpr (kv_reserving_model<Model>) {
+      model_.reserve(s.id, L + count);
     }
+    if constexpr (!kv_committing_model<Model>) kv_check_append(model_.kv_cache(s.id), L, fit);
+    return fit;
   }
 
   // Commits request `s`'s accepted `path` of a tree pass of `tree`; returns the new length. A
@@ -560,8 +596,8 @@ class batch_decoder {
       int B = 0, T = 0;
       for (slot& s : slots_) {
         if (!s.active || s.done || s.ready) continue;
-        const int count = std::min(s.opt.prefill_chunk, static_cast<int>(s.prompt.size()) - s.prefilled);
-        if (!guarded(s, [&] { prepare_append(s, s.prefilled, count); })) continue;
+        int count = std::min(s.opt.prefill_chunk, static_cast<int>(s.prompt.size()) - s.prefilled);
+        if (!guarded(s, [&] { count = prepare_append(s, s.prefilled, count); })) continue;
         if (positions_.size() < to_size(T + count)) {  // prompt chunks may exceed the tree rows
           positions_.resize(to_size(T + count));
           tokens_.resize(to_size(T + count));
@@ -617,6 +653,12 @@ class batch_decoder {
       s.rows = 0;
       if (!s.active || s.done || !s.ready) continue;
       const int remaining = s.opt.max_new_tokens - s.result.stats.new_tokens;
+      // A pool that grants part of a reserve: first one slot for every request that runs a token,
+      // so that one request's tree cannot take the last pages another needs for a plain step.
+      if constexpr (kv_granting_model<Model>)
+        if (s.length < s.context && remaining > 1 && s.pending != s.opt.eos_token &&
+            !guarded(s, [&] { prepare_append(s, s.length, 1); }))
+          continue;
       if (n > 1 && s.length + n <= s.context && remaining > 1 && s.pending != s.opt.eos_token) {
         std::copy_n(s.h.data(), d, head_in_.data() + to_size(R) * d);
         s.rows = n;
@@ -653,6 +695,7 @@ class batch_decoder {
       std::int32_t* toks = tokens_.data() + T;
       std::int32_t* pos = positions_.data() + T;
       bool ok = true;
+      if constexpr (!per_step) s.step_tree.reset();
       if constexpr (per_step) {
         if (s.rows > 1) {  // this step's own tree; nothing to draft = a plain step
           const auto hl = std::span<const float>(head_logits_.data() + to_size(r) * HV, HV);
@@ -694,12 +737,24 @@ class batch_decoder {
         toks[0] = s.pending;
         pos[0] = L;
       }
-      if (ok) ok = guarded(s, [&] { prepare_append(s, L, count); });
+      int fit = count;
+      if (ok) ok = guarded(s, [&] { fit = prepare_append(s, L, count); });
+      if (ok && fit < count && fit > 1)  // a short KV pool: the first `fit` nodes of the tree
+        ok = guarded(s, [&] { s.step_tree = with_step_tree(s, [&](const auto& t) { return detail::first_nodes(t, fit); }); });
       if (!ok) {
         s.rows = 0;
         continue;
       }
-      if constexpr (per_step) masks_[to_size(B)] = count > 1 ? s.step_tree->mask_view() : plain_tree{}.mask_view();
+      s.rows = fit;
+      if (fit == 1 && count > 1) {  // room for the root only: a plain step, as near the context's end
+        s.step_tree.reset();
+        s.rows = 0;
+        if (!emit(s, s.pending)) continue;
+        toks[0] = s.pending;
+        pos[0] = L;
+        s.rows = 1;
+      }
+      masks_[to_size(B)] = s.rows == 1 ? plain_tree{}.mask_view() : s.step_tree ? s.step_tree->mask_view() : mask_view();
       add_member(s, L, B, T);
     }
     const double candidates_time = seconds_since(t0);
@@ -707,8 +762,7 @@ class batch_decoder {
 
     t0 = decode_clock::now();
     ragged_batch b = gathered_batch(B, T);
-    b.tree_mask = mask_view();
-    if constexpr (per_step) b.request_masks = std::span<const tree_mask_view>(masks_.data(), to_size(B));
+    b.request_masks = std::span<const tree_mask_view>(masks_.data(), to_size(B));
     b.logits = std::span<float>(logits_.data(), to_size(T) * V);
     b.hidden = std::span<float>(hidden_out_.data(), to_size(T) * d);
     model_.forward(b);
@@ -718,9 +772,11 @@ class batch_decoder {
     // is verified alone so that only the bad ones fail (verification has no side effects).
     t0 = decode_clock::now();
     int verify_count = 0;
+    bool shrunk = false;  // a request runs part of the shared tree: each is verified alone
     for (int i = 0; i < B; ++i) {
       slot& s = *members_[to_size(i)];
       if (s.rows == 1) continue;  // plain steps need no verification
+      shrunk = shrunk || s.step_tree.has_value();
       verify_request q;
       q.node_tokens = std::span<const std::int32_t>(tokens_.data() + qo_indptr_[to_size(i)], to_size(s.rows));
       q.logits = std::span<const float>(logits_.data() + to_size(qo_indptr_[to_size(i)]) * V, to_size(s.rows) * V);
@@ -728,14 +784,17 @@ class batch_decoder {
       q.seed = s.opt.seed;
       q.step = s.step + 1;
       q.eos_token = s.opt.eos_token;
-      if constexpr (samples_drafts) q.draft_rows = member_draft_rows(i);
+      if constexpr (samples_drafts) {  // a part of the tree that fitted is shallower: its rows only
+        const int depth = s.step_tree ? s.step_tree->depth() : static_cast<int>(tree_.depth());
+        q.draft_rows = member_draft_rows(i).first(to_size(depth) * V);
+      }
       requests_[to_size(verify_count)] = q;
       verify_rows_[to_size(verify_count)] = i;
       ++verify_count;
     }
-    bool verified_all = !per_step;  // per-step trees differ: each request is verified alone
+    bool verified_all = !per_step && !shrunk;  // per-step trees differ: each request is verified alone
     if constexpr (!per_step) {
-      if (verify_count > 0) {
+      if (verify_count > 0 && verified_all) {
         try {
           verify_batch(tree_, std::span<const verify_request>(requests_.data(), to_size(verify_count)), policy_, ws_,
                        std::span<verify_result>(results_.data(), to_size(verify_count)));
@@ -751,8 +810,8 @@ class batch_decoder {
         slot& s = *members_[to_size(verify_rows_[to_size(j)])];
         ok[to_size(j)] = guarded(s, [&] {
           try {
-            if constexpr (per_step) results_[to_size(j)] = verify(*s.step_tree, requests_[to_size(j)], policy_, ws_);
-            else results_[to_size(j)] = verify(tree_, requests_[to_size(j)], policy_, ws_);
+            results_[to_size(j)] =
+                with_step_tree(s, [&](const auto& t) { return verify(t, requests_[to_size(j)], policy_, ws_); });
           } catch (const acceptance_error& e) {  // the model's logits of this step: say whose and when
             if (e.code() != acceptance_errc::non_finite_logit) throw;
             const std::string what = e.what();
@@ -799,8 +858,7 @@ class batch_decoder {
         continue;  // nothing committed: the cache is as before the step
       const auto tc = decode_clock::now();
       const bool committed = guarded(s, [&] {
-        if constexpr (per_step) s.length = commit_path(s, *s.step_tree, res.nodes());
-        else s.length = commit_path(s, tree_, res.nodes());
+        s.length = with_step_tree(s, [&](const auto& t) { return commit_path(s, t, res.nodes()); });
         if constexpr (kv_releasing_model<Model>) model_.release(s.id, s.length);
       });
       st.seconds.commit += seconds_since(tc);

@@ -15,7 +15,12 @@
 //!
 //! Optional hooks, detected with `requires` (an engine without them is unchanged):
 //! - `reserve(request, slots)`: before a forward that writes slots `[L, slots)` of `request`'s
-//!   cache, the engine makes slots `[0, slots)` addressable (maps pages: `kv_pages_to_map`).
+//!   cache, the engine makes slots `[0, slots)` addressable (maps pages: `kv_pages_to_map`). It
+//!   may return how many it made addressable, `[0, granted)` (`kv_granting_model`): when its pool
+//!   is short, fewer than asked. The decoder then runs what fits: the first nodes of the tree (a
+//!   subtree holding the root, closed under parent), a plain step, or a shorter prefill chunk; a
+//!   request of which not one more slot fits fails with `kv_cache_error` (`kv_errc::pool_exhausted`).
+//!   A `reserve` returning nothing grants every slot or throws.
 //! - `release(request, length)`: after a commit (or a finished prefill), slots from `length` on
 //!   are free; the engine may unmap whole pages past it (`kv_pages_releasable`).
 //! - `max_context()`: the most slots a request may use. Without it the cache's capacity is the
@@ -119,15 +124,25 @@ concept decoder_model = requires(M& m, const forward_batch& batch) {
 // Several requests per forward (continuous batching)
 // ------------------------------------------------------------------------------------------------
 
+namespace detail {
+// Where `ragged_batch::tree_mask` (a mask shared by the batch) was. Only `empty()`, always true,
+// is left, so code that merely tested it still builds; reading it as a mask does not compile.
+struct shared_tree_mask_removed_read_mask_of {
+  [[nodiscard]] static constexpr bool empty() noexcept { return true; }
+};
+}  // namespace detail
+
 //! One forward call over the new tokens of B requests, concatenated (a ragged batch, in
 //! FlashInfer's `qo_indptr` layout). Request `b` owns rows `[qo_indptr[b], qo_indptr[b+1])`:
 //! `n_b` tokens whose K/V go to slots `[cache_lengths[b], cache_lengths[b] + n_b)` of request
 //! `requests[b]`'s cache, and which see that request's committed slots `[0, cache_lengths[b])`.
 //!
-//! Within a request, visibility is causal when `tree_mask` is empty; otherwise the request's
-//! tokens are the first `n_b` nodes of the tree (`n_b = 1` is a plain step: the root sees itself)
-//! and token i sees token j iff `tree_mask.visible(i, j)`, i and j local to the request. Requests
-//! never see each other.
+//! Within a request, visibility is `mask_of(b)`, the one accessor an engine needs: empty = causal
+//! (prefill chunks); otherwise the request's tokens are the first `n_b` nodes of that tree
+//! (`n_b = 1` is a plain step: the root sees itself) and token i sees token j iff
+//! `mask_of(b).visible(i, j)`, i and j local to the request. Requests never see each other. The
+//! decoders set one mask per request in every tree pass (`request_masks`), so requests of one pass
+//! may run different trees or different parts of one tree.
 //!
 //! Output layout, row-major: with `last_row_only == false`, one row per token in batch order
 //! (`logits[t * vocab + v]`, `t` in `[0, T)`); with `true`, one row per request, its last token
@@ -139,19 +154,20 @@ struct ragged_batch {
   std::span<const std::int32_t> tokens;     //!< `[T]` token ids
   std::span<const std::int32_t> positions;  //!< `[T]` absolute positions (RoPE)
   std::span<const int> cache_lengths;       //!< `[B]` committed slots of each request
-  tree_mask_view tree_mask = {};            //!< empty = causal within each request; else the shared tree
-  //! `[B]` or empty: when given, request b's tokens are the first `n_b` nodes of its own tree,
-  //! `request_masks[b]` (per-step drafts; only `request_mask_model`s receive it)
+  //! `[B]`: request b's mask (see `mask_of`); empty: every request is causal (a prefill pass)
   std::span<const tree_mask_view> request_masks = {};
+  //! Gone: there is no mask shared by the batch; read `mask_of(b)`. What is left cannot be read as
+  //! a mask (it does not compile), so an engine cannot attend through it by mistake.
+  [[no_unique_address]] detail::shared_tree_mask_removed_read_mask_of tree_mask = {};
   bool last_row_only = false;               //!< outputs for each request's last row only (`[B]` rows)
   std::span<float> logits;                  //!< `[T or B][vocab]`
   std::span<float> hidden;                  //!< `[T or B][hidden]`
 
   //! Number of requests.
   [[nodiscard]] int size() const noexcept { return static_cast<int>(requests.size()); }
-  //! The mask of request `b`'s tokens: its own (`request_masks`) or the shared one.
+  //! The mask of request `b`'s tokens: empty = causal, else its tree's (the first `count(b)` nodes).
   [[nodiscard]] tree_mask_view mask_of(int b) const noexcept {
-    return request_masks.empty() ? tree_mask : request_masks[static_cast<std::size_t>(b)];
+    return request_masks.empty() ? tree_mask_view{} : request_masks[static_cast<std::size_t>(b)];
   }
   //! Tokens of request `b`.
   [[nodiscard]] int count(int b) const noexcept {
@@ -179,14 +195,15 @@ concept batch_decoder_model = requires(M& m, const ragged_batch& batch) {
   m.forward(batch);
 } && (detail::writable_request_kv_cache_model<M> || kv_committing_model<M>);
 
-//! A batch model that honours `ragged_batch::request_masks` (one tree per request in a pass, as
-//! per-step drafts need): it declares `static constexpr bool accepts_request_masks = true`.
-template <class M>
-concept request_mask_model = batch_decoder_model<M> && requires { requires static_cast<bool>(M::accepts_request_masks); };
-
 //! A model that maps cache pages on demand: `reserve(request, slots)`.
 template <class M>
 concept kv_reserving_model = requires(M& m, int request, int slots) { m.reserve(request, slots); };
+//! A model whose `reserve(request, slots)` returns the slots it made addressable, which may be
+//! fewer than asked when its pool is short (the decoder then takes a smaller step).
+template <class M>
+concept kv_granting_model = requires(M& m, int request, int slots) {
+  { m.reserve(request, slots) } -> std::convertible_to<int>;
+};
 //! A model that frees cache pages past a request's length: `release(request, length)`.
 template <class M>
 concept kv_releasing_model = requires(M& m, int request, int length) { m.release(request, length); };

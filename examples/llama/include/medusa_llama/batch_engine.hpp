@@ -61,9 +61,6 @@ struct batch_engine_options {
 //! `medusa::batch_decoder_model` with the `reserve`, `release` and `max_context` hooks.
 class batch_engine {
  public:
-  //! Each request of a pass may bring its own tree (`ragged_batch::request_masks`).
-  static constexpr bool accepts_request_masks = true;
-
   //! Allocates the pools (`2 × num_pages × page_size × n_layers × kv_dim` floats) and buffers.
   //! Throws `engine_error` (`bad_option`) for options out of range.
   explicit batch_engine(model m, batch_engine_options options = {});

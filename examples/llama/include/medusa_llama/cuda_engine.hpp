@@ -73,9 +73,6 @@ struct cuda_engine_options {
 //! `max_context` and `commit` hooks.
 class cuda_engine {
  public:
-  //! Each request of a pass may bring its own tree (`ragged_batch::request_masks`).
-  static constexpr bool accepts_request_masks = true;
-
   //! Uploads the weights (converted to the precision), allocates the KV pool and the activations.
   //! Throws `engine_error`: `no_device` (no CUDA build, no device, or `device` out of range),
   //! `bad_option` (options out of range), `device_failure` (allocation or a CUDA call failed).
