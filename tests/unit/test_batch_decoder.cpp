@@ -149,6 +149,13 @@ class granting_engine : public paged_engine {
 static_assert(medusa::batch_decoder_model<paged_engine>);
 static_assert(!medusa::kv_granting_model<paged_engine>);
 static_assert(medusa::kv_granting_model<granting_engine>);
+// The single-request decoder hands a granted count through to its batch of one.
+struct granting_single_model : tiny_model {
+  using tiny_model::tiny_model;
+  int reserve(int, int slots) { return slots; }
+};
+static_assert(medusa::kv_granting_model<medusa::detail::single_request_model<granting_single_model>>);
+static_assert(!medusa::kv_granting_model<medusa::detail::single_request_model<tiny_model>>);
 static_assert(medusa::kv_reserving_model<paged_engine>);
 static_assert(medusa::kv_releasing_model<paged_engine>);
 static_assert(medusa::context_bounded_model<paged_engine>);
