@@ -586,7 +586,7 @@ struct per_request_models {
       f.tokens = b.tokens.subspan(r0, static_cast<std::size_t>(T));
       f.positions = b.positions.subspan(r0, static_cast<std::size_t>(T));
       f.cache_length = b.cache_lengths[static_cast<std::size_t>(i)];
-      f.tree_mask = T > 1 ? b.tree_mask : medusa::tree_mask_view{};
+      f.tree_mask = T > 1 ? b.mask_of(i) : medusa::tree_mask_view{};
       f.first_output_row = b.last_row_only ? T - 1 : 0;
       f.logits = b.logits.subspan(out0 * V, rows * V);
       f.hidden = b.hidden.subspan(out0 * D, rows * D);
