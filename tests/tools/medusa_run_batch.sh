@@ -5,8 +5,11 @@
 # tokens must equal its plain tokens, with random and with a tree deeper than one step; the summary
 # reports the peak resident memory.
 # Usage: medusa_run_batch.sh TOOL SHARED_DIR SCRATCH_DIR
+# MEDUSA_TOOL_TEST_NEW_TOKENS caps the new tokens per request (default 48; the sanitizer runs use
+# fewer: the same code paths, in less time).
 set -eu
 tool=$1 shared=$2 scratch=$3
+new_tokens=${MEDUSA_TOOL_TEST_NEW_TOKENS:-48}
 pycode="$shared/models/pycode-15m/model.bin"
 if [ ! -f "$pycode" ]; then echo "shared models not found: skipped"; exit 77; fi
 mkdir -p "$scratch"
@@ -21,7 +24,7 @@ from collections import defaultdict\n\n\ndef count_words(text):\n    counts = de
 P
 for tree in '[[0],[0,0],[1]]' mc_sim_7b_63; do
   out=$("$tool" --model "$pycode" --heads random:4 --tree "$tree" --prompts-file "$scratch/batch_prompts.txt" \
-        --batch 3 --mode both --max-new-tokens 48 --threads 2 --json)
+        --batch 3 --mode both --max-new-tokens "$new_tokens" --threads 2 --json)
   summary=$(printf '%s\n' "$out" | tail -n 1)
   echo "$tree: $summary"
   printf '%s' "$summary" | python3 -c '
