@@ -150,7 +150,8 @@ decode_result generate_vanilla(Model& model, std::span<const std::int32_t> promp
 //! allocates nothing per step beyond the output token vector.
 //!
 //! @tparam Model  satisfies `decoder_model`
-//! @tparam Heads  satisfies `draft_heads` (at least `tree.depth()` heads)
+//! @tparam Heads  satisfies `draft_heads` (at least `tree.depth()` heads); heads and drafters
+//!                that take request ids (`request_draft_heads`, `request_step_drafts`) get 0
 //! @tparam Tree   satisfies `tree_like` (e.g. `medusa::tree`, a compile-time preset), or
 //!                `step_drafts` (`step_drafter`: each tree step builds its own tree, drafts.hpp)
 //! @tparam Policy satisfies `acceptance_policy` (greedy, typical, rejection, user policies)

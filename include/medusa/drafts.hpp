@@ -12,6 +12,11 @@
 //! Verification is unchanged, so every draft is lossless: drafts only decide which tokens the
 //! model checks.
 //!
+//! The branch comes from a `branch_source`: `ngram_lookup` by default (`step_drafter`), or any
+//! type proposing a continuation of a request's tokens (`basic_step_drafter<Source>`), e.g. a
+//! draft model keeping per-request state: it gets the request id of every call, and
+//! `release(request)` when the request leaves the batch.
+//!
 //! `step_drafter` puts them together for the decoders: pass one where a tree goes
 //! (`medusa::decoder dec(model, heads, drafter, policy)`), and every tree step gets its own tree.
 //!
@@ -33,6 +38,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -44,7 +50,8 @@
 MEDUSA_NAMESPACE_BEGIN
 
 //! Prompt lookup: the continuation of the most recent earlier occurrence of the longest suffix
-//! (`max_ngram` down to `min_ngram` tokens) of a request's tokens.
+//! (`max_ngram` down to `min_ngram` tokens) of a request's tokens. The default `branch_source` of
+//! `step_drafter`; it keeps no state, so the request id does not matter to it.
 struct ngram_lookup {
   int min_ngram = 2;   //!< shortest suffix matched (≥ 1)
   int max_ngram = 4;   //!< longest suffix tried first
@@ -75,7 +82,49 @@ struct ngram_lookup {
     }
     return 0;
   }
+  //! The same for request `request` (a stateless lookup ignores it).
+  int find(int /*request*/, std::span<const std::int32_t> history, std::span<std::int32_t> out) const {
+    return find(history, out);
+  }
 };
+
+//! A source of the branch `step_drafter` adds under the root (`ngram_lookup`, or a user type):
+//! - `max_tokens`, a data member or a member function: the longest continuation it proposes;
+//! - `find(request, history, out)` or `find(history, out)`: writes a continuation of `history` (the
+//!   request's prompt and generated tokens, ending with this step's root) to `out` (up to
+//!   `min(max_tokens, out.size())` tokens, the first one following the root) and returns its
+//!   length, 0 for none. `request` is the engine's id of the request (0 in the single-request
+//!   `decoder`); a source keeping per-request state reads it, and may have `release(request)`,
+//!   called when the request leaves the batch (through `step_drafter::release`).
+//! - optionally `validate() const`, called by `step_drafter`'s constructor (throw `invalid_input`).
+//! Drafts stay lossless whatever it proposes: verification decides which tokens are kept.
+template <class S>
+concept branch_source =
+    std::copy_constructible<S> &&
+    (requires(const S& s) {
+      { s.max_tokens() } -> std::convertible_to<int>;
+    } || requires(const S& s) {
+      { s.max_tokens } -> std::convertible_to<int>;
+    }) &&
+    (requires(S& s, int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) {
+      { s.find(request, history, out) } -> std::convertible_to<int>;
+    } || requires(S& s, std::span<const std::int32_t> history, std::span<std::int32_t> out) {
+      { s.find(history, out) } -> std::convertible_to<int>;
+    });
+
+namespace detail {
+template <branch_source S>
+int branch_max_tokens(const S& s) {
+  if constexpr (requires { { s.max_tokens() } -> std::convertible_to<int>; }) return static_cast<int>(s.max_tokens());
+  else return static_cast<int>(s.max_tokens);
+}
+template <branch_source S>
+int branch_find(S& s, int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) {
+  if constexpr (requires { { s.find(request, history, out) } -> std::convertible_to<int>; })
+    return static_cast<int>(s.find(request, history, out));
+  else return static_cast<int>(s.find(history, out));
+}
+}  // namespace detail
 
 //! This step's dynamic tree: the `count` most probable paths (best first, none deeper than
 //! `max_depth` or the heads given) when head k's rank-r token has probability `top_probs[k *
@@ -127,27 +176,51 @@ struct ngram_lookup {
   return out;
 }
 
-//! What a `step_drafter` drafts each step.
-struct step_drafter_options {
+//! What a `basic_step_drafter` drafts each step; `step_drafter_options` for `ngram_lookup`.
+template <branch_source Branch = ngram_lookup>
+struct basic_step_drafter_options {
   std::vector<std::vector<int>> paths = {};  //!< the heads' tree (ranks < topk) when `dynamic_nodes == 0`
   int dynamic_nodes = 0;                //!< > 0: this step's `dynamic_nodes − 1` most probable paths instead
-  std::optional<ngram_lookup> lookup = {};  //!< a lookup branch when the request's tokens repeat
+  std::optional<Branch> lookup = {};    //!< a branch under the root when the source proposes one
   int topk = default_topk;              //!< candidates per head
 };
+//! The options of `step_drafter` (prompt lookup, `ngram_lookup`).
+using step_drafter_options = basic_step_drafter_options<ngram_lookup>;
 
-//! Builds each tree step's tree and node tokens (see the file comment). A `step_drafts` source:
-//! the decoders call `draft` once per tree step of a request. Not thread-safe (scratch buffers).
-class step_drafter {
+//! Builds each tree step's tree and node tokens (see the file comment), its branch from a
+//! `branch_source` (`step_drafter`: prompt lookup, `ngram_lookup`). A `step_drafts` source: the
+//! decoders call `draft(request, ...)` once per tree step of a request. Not thread-safe (scratch
+//! buffers). `batch_decoder` keeps its own copy of the drafter (and so of the branch source).
+//!
+//! @code
+//! struct my_source {                       // e.g. a per-request draft model
+//!   int max_tokens = 4;
+//!   int find(int request, std::span<const std::int32_t> history, std::span<std::int32_t> out);
+//!   void release(int request);             // optional: the request left
+//! };
+//! medusa::basic_step_drafter<my_source> drafter({.paths = plan.paths, .lookup = my_source{}}, 4);
+//! @endcode
+template <branch_source Branch = ngram_lookup>
+class basic_step_drafter {
  public:
+  //! The branch source.
+  using branch_type = Branch;
+  //! The options.
+  using options_type = basic_step_drafter_options<Branch>;
+
   //! `heads`: draft heads available (the heads' tree must not be deeper). Throws `invalid_input`
   //! (or `tree_error` for bad paths) naming the problem.
-  step_drafter(step_drafter_options opt, int heads) : opt_(std::move(opt)), heads_(heads) {
+  basic_step_drafter(options_type opt, int heads) : opt_(std::move(opt)), heads_(heads) {
     if (heads_ < 1) throw invalid_input("step drafter: needs at least one head, got " + std::to_string(heads_));
     if (opt_.topk < 1 || opt_.topk > max_tree_topk - 1)
       throw invalid_input("step drafter: topk must be in [1, " + std::to_string(max_tree_topk - 1) + "), got " +
                           std::to_string(opt_.topk));
     if (opt_.dynamic_nodes < 0) throw invalid_input("step drafter: dynamic_nodes must be >= 0");
-    if (opt_.lookup) opt_.lookup->validate();
+    if constexpr (requires(const Branch& b) { b.validate(); })
+      if (opt_.lookup) opt_.lookup->validate();
+    if (opt_.lookup && detail::branch_max_tokens(*opt_.lookup) < 1)
+      throw invalid_input("step drafter: the branch source's max_tokens must be >= 1, got " +
+                          std::to_string(detail::branch_max_tokens(*opt_.lookup)));
     if (opt_.dynamic_nodes == 0) {
       if (opt_.paths.empty() && !opt_.lookup)
         throw invalid_input("step drafter: give paths, dynamic_nodes or a lookup");
@@ -163,7 +236,7 @@ class step_drafter {
       heads_nodes_ = opt_.dynamic_nodes;
       heads_depth_ = std::min(heads_, std::max(0, opt_.dynamic_nodes - 1));
     }
-    const int lookup_len = opt_.lookup ? opt_.lookup->max_tokens : 0;
+    const int lookup_len = opt_.lookup ? detail::branch_max_tokens(*opt_.lookup) : 0;
     max_nodes_ = heads_nodes_ + lookup_len;
     max_depth_ = std::max(heads_depth_, lookup_len);
     const auto k = static_cast<std::size_t>(opt_.topk), h = static_cast<std::size_t>(heads_depth_);
@@ -179,15 +252,22 @@ class step_drafter {
   //! Heads read: the depth of the heads' part of the tree.
   [[nodiscard]] int heads_depth() const noexcept { return heads_depth_; }
   //! The options.
-  [[nodiscard]] const step_drafter_options& options() const noexcept { return opt_; }
+  [[nodiscard]] const options_type& options() const noexcept { return opt_; }
 
-  //! This step's tree and node tokens (`node_tokens`, at least `max_nodes()` entries; the first
-  //! `num_nodes()` of the tree are written). `history` = the request's tokens so far,
-  //! ending with the root; `head_logits` = `[heads][vocab]` (at least `heads_depth()` rows).
-  //! Returns nothing when there is nothing to draft (a lookup alone without a match): a plain step.
-  //! Throws `acceptance_error` for non-finite head logits or a vocabulary smaller than topk.
+  //! This step's tree and node tokens for request 0 (one request alone): `draft(0, ...)`.
   std::optional<tree> draft(std::span<const std::int32_t> history, std::span<const float> head_logits, int vocab,
                             std::span<std::int32_t> node_tokens) {
+    return draft(0, history, head_logits, vocab, node_tokens);
+  }
+
+  //! This step's tree and node tokens (`node_tokens`, at least `max_nodes()` entries; the first
+  //! `num_nodes()` of the tree are written) for request `request` (the engine's id; the branch
+  //! source gets it). `history` = the request's tokens so far, ending with the root;
+  //! `head_logits` = `[heads][vocab]` (at least `heads_depth()` rows).
+  //! Returns nothing when there is nothing to draft (a lookup alone without a match): a plain step.
+  //! Throws `acceptance_error` for non-finite head logits or a vocabulary smaller than topk.
+  std::optional<tree> draft(int request, std::span<const std::int32_t> history, std::span<const float> head_logits,
+                            int vocab, std::span<std::int32_t> node_tokens) {
     const auto v = static_cast<std::size_t>(vocab), k = static_cast<std::size_t>(opt_.topk);
     if (heads_depth_ > 0 && (vocab < opt_.topk || head_logits.size() < static_cast<std::size_t>(heads_depth_) * v))
       throw acceptance_error(acceptance_errc::size_mismatch,
@@ -211,7 +291,8 @@ class step_drafter {
         opt_.dynamic_nodes > 0 ? dynamic_paths(top_probs_, opt_.topk, opt_.dynamic_nodes - 1, heads_depth_) : paths_;
     int found = 0;
     if (opt_.lookup) {
-      found = opt_.lookup->find(history, continuation_);
+      found = std::clamp(detail::branch_find(*opt_.lookup, request, history, continuation_), 0,
+                         static_cast<int>(continuation_.size()));
       if (found > 0)
         paths = with_lookup_branch(paths, top_tokens_, opt_.topk, std::span<const std::int32_t>(continuation_.data(), static_cast<std::size_t>(found)));
     }
@@ -230,8 +311,15 @@ class step_drafter {
     return out;
   }
 
+  //! Request `request` left the batch: the branch source hears of it when it has
+  //! `release(request)` (`batch_decoder` calls this).
+  void release(int request) {
+    if constexpr (requires(Branch& b) { b.release(request); })
+      if (opt_.lookup) opt_.lookup->release(request);
+  }
+
  private:
-  step_drafter_options opt_;
+  options_type opt_;
   int heads_ = 0, heads_depth_ = 0, heads_nodes_ = 1, max_nodes_ = 1, max_depth_ = 0;
   std::vector<std::vector<int>> paths_;
   std::vector<std::int32_t> top_tokens_, continuation_;
@@ -239,14 +327,31 @@ class step_drafter {
   std::vector<double> scratch_;
 };
 
-//! A per-step tree source for the decoders (`step_drafter`, or a user type with the same members).
+//! `step_drafter`: per-step drafts with prompt lookup (`ngram_lookup`) as the branch source.
+using step_drafter = basic_step_drafter<ngram_lookup>;
+
+//! A per-step drafter whose `draft` takes the request id first:
+//! `draft(request, history, head_logits, vocab, node_tokens)`.
 template <class D>
-concept step_drafts = requires(D& d, std::span<const std::int32_t> history, std::span<const float> logits, int vocab,
-                               std::span<std::int32_t> tokens) {
+concept request_step_drafts = requires(D& d, int request, std::span<const std::int32_t> history,
+                                       std::span<const float> logits, int vocab, std::span<std::int32_t> tokens) {
+  { d.draft(request, history, logits, vocab, tokens) } -> std::same_as<std::optional<tree>>;
+};
+
+//! A per-step tree source for the decoders (`step_drafter`, `basic_step_drafter`, or a user type
+//! with the same members): `max_nodes()`, `max_depth()`, `heads_depth()` and `draft(history,
+//! head_logits, vocab, node_tokens)`, or `draft(request, history, ...)` (`request_step_drafts`),
+//! which the decoders prefer when both are there: `request` is the engine's id of the request the
+//! step serves (0 in the single-request `decoder`). Optionally `release(request)`: the request left
+//! the batch (finished, failed or `leave`), once per request that joined; it should not throw.
+template <class D>
+concept step_drafts = requires(D& d) {
   { d.max_nodes() } -> std::convertible_to<int>;
   { d.max_depth() } -> std::convertible_to<int>;
   { d.heads_depth() } -> std::convertible_to<int>;
+} && (request_step_drafts<D> || requires(D& d, std::span<const std::int32_t> history, std::span<const float> logits,
+                                         int vocab, std::span<std::int32_t> tokens) {
   { d.draft(history, logits, vocab, tokens) } -> std::same_as<std::optional<tree>>;
-};
+});
 
 MEDUSA_NAMESPACE_END

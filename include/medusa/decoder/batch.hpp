@@ -209,10 +209,14 @@ struct request_update {
 //!                a `kv_committing_model` is committed through its `commit`, even when it also has
 //!                `kv_cache(request)`: the decoder then checks appends and paths against
 //!                `max_context()` and the length `commit` returns (`kv_cache_error`)
-//! @tparam Heads  satisfies `draft_heads` (at least `tree.depth()` heads); `batched_draft_heads` is
-//!                used when available
+//! @tparam Heads  satisfies `draft_heads` (at least `tree.depth()` heads); `request_draft_heads`
+//!                (told each row's request id, rows in slot order) is used when available, else
+//!                `batched_draft_heads`; `release(request)` when present hears of each request
+//!                that leaves (`request_releasing`)
 //! @tparam Tree   satisfies `tree_like` (one tree for every step), or `step_drafts` (each tree
-//!                step builds its own tree: `step_drafter`, drafts.hpp)
+//!                step builds its own tree: `step_drafter`, drafts.hpp; `draft(request, ...)` gets
+//!                the request id when it has that form, `release(request)` when present hears of
+//!                each request that leaves)
 //! @tparam Policy satisfies `acceptance_policy`
 template <batch_decoder_model Model, draft_heads Heads, class Tree, acceptance_policy Policy>
   requires tree_like<Tree> || step_drafts<Tree>
@@ -245,6 +249,7 @@ class batch_decoder {
     slots_.resize(B);
     for (slot& s : slots_) s.h.resize(d);
     head_in_.resize(B * d);
+    head_ids_.resize(B);
     head_logits_.resize(B * to_size(num_heads_) * V);
     if constexpr (!per_step) flat_.resize(flat_candidates_size(tree_, num_heads_));
     masks_.resize(B);
@@ -326,7 +331,7 @@ class batch_decoder {
   }
 
   //! Removes a request now (e.g. its client went away); it gets no further update. Its cache
-  //! slots are the engine's to free or keep.
+  //! slots are the engine's to free or keep; heads and a drafter with `release(request)` are told.
   //! @throws decode_error if `request` is not in the batch.
   void leave(int request) {
     slot* s = find(request);
@@ -468,11 +473,15 @@ class batch_decoder {
 
   int context_of(int request) { return detail::request_context(model_, request); }
 
+  // The request leaves: its slot is freed, then heads and a drafter that keep per-request state
+  // hear of it (`release(request)`, which should not throw).
   void retire(slot& s) {
     s.active = false;
     s.on_token = nullptr;
     s.prompt.clear();
     --size_;
+    if constexpr (request_releasing<Heads>) heads_.release(s.id);
+    if constexpr (per_step && request_releasing<Tree>) tree_.release(s.id);
   }
 
   void finish(slot& s, stop_reason r) {
@@ -661,6 +670,7 @@ class batch_decoder {
           continue;
       if (n > 1 && s.length + n <= s.context && remaining > 1 && s.pending != s.opt.eos_token) {
         std::copy_n(s.h.data(), d, head_in_.data() + to_size(R) * d);
+        head_ids_[to_size(R)] = s.id;
         s.rows = n;
         ++R;
         continue;
@@ -676,7 +686,11 @@ class batch_decoder {
     // Draft heads over the tree requests' hidden states, then each request's candidates.
     auto t0 = decode_clock::now();
     if (R > 0) {
-      if constexpr (batched_draft_heads<Heads>) {
+      if constexpr (request_draft_heads<Heads>) {  // rows in slot order, with their requests' ids
+        heads_.forward(std::span<const float>(head_in_.data(), to_size(R) * d), R,
+                       std::span<const int>(head_ids_.data(), to_size(R)),
+                       std::span<float>(head_logits_.data(), to_size(R) * HV));
+      } else if constexpr (batched_draft_heads<Heads>) {
         heads_.forward(std::span<const float>(head_in_.data(), to_size(R) * d), R,
                        std::span<float>(head_logits_.data(), to_size(R) * HV));
       } else {
@@ -701,7 +715,11 @@ class batch_decoder {
           const auto hl = std::span<const float>(head_logits_.data() + to_size(r) * HV, HV);
           ++r;
           s.history.push_back(s.pending);
-          ok = guarded(s, [&] { s.step_tree = tree_.draft(s.history, hl, vocab_, std::span<std::int32_t>(toks, to_size(n))); });
+          ok = guarded(s, [&] {
+            const auto node_tokens = std::span<std::int32_t>(toks, to_size(n));
+            if constexpr (request_step_drafts<Tree>) s.step_tree = tree_.draft(s.id, s.history, hl, vocab_, node_tokens);
+            else s.step_tree = tree_.draft(s.history, hl, vocab_, node_tokens);
+          });
           s.history.pop_back();
           if (ok && s.step_tree) {
             s.rows = s.step_tree->num_nodes();
@@ -886,7 +904,7 @@ class batch_decoder {
   std::vector<float> head_in_, head_logits_, logits_, hidden_out_;
   std::vector<float> draft_rows_;  // [max_batch][depth][vocab]: sampled drafts' rows, per member
   std::vector<std::int32_t> flat_, tokens_, positions_;
-  std::vector<int> ids_, qo_indptr_, cache_lengths_, verify_rows_;
+  std::vector<int> ids_, head_ids_, qo_indptr_, cache_lengths_, verify_rows_;
   std::vector<slot*> members_;
   std::vector<verify_request> requests_;
   std::vector<verify_result> results_;

@@ -250,13 +250,41 @@ concept draft_heads = requires(H& h, std::span<const float> hidden, std::span<fl
 };
 
 //! Draft heads that also take several hidden states at once (`batch_decoder` uses this form when
-//! present: the head weights are read once for the whole batch):
-//! `forward(hidden [rows][d], rows, logits [rows][num_heads][vocab])`.
+//! present, unless the heads take request ids, `request_draft_heads`: the head weights are read
+//! once for the whole batch): `forward(hidden [rows][d], rows, logits [rows][num_heads][vocab])`,
+//! rows in the order `request_draft_heads` describes.
 template <class H>
 concept batched_draft_heads =
     draft_heads<H> && requires(H& h, std::span<const float> hidden, int rows, std::span<float> logits) {
       h.forward(hidden, rows, logits);
     };
+
+//! Draft heads told which request each row serves (for heads keeping per-request state, e.g. a
+//! draft model's own cache): `forward(hidden [rows][d], rows, requests [rows], logits
+//! [rows][num_heads][vocab])`, `requests[r]` the engine's id of the request whose hidden state is
+//! row `r`. `batch_decoder` uses this form when present (before the batched one), once per step
+//! with at least one row. The rows are the requests chosen for a tree step (prefilled, no pending
+//! EOS, at least two tokens to go and a whole tree's room in their context), in slot order: the
+//! order of `step()`'s updates and of the members of the step's `ragged_batch` (a joining request
+//! takes the first free slot, so this is not join order); requests still prefilling or taking a
+//! plain step have no row. A row's request may still end with a plain step (its per-step drafter drafts
+//! nothing, or its KV pool grants too little). Each id appears at most once per call. The
+//! single-request `decoder` passes request id 0.
+//!
+//! Optionally `release(request)`: the request left the batch (finished, failed or `leave`); its
+//! state may go. Called once per request that joined, after it left; it should not throw.
+//! The single-row form (`draft_heads`) is still required: calibration and the step-cost probes
+//! call it outside any request.
+template <class H>
+concept request_draft_heads =
+    draft_heads<H> &&
+    requires(H& h, std::span<const float> hidden, int rows, std::span<const int> requests, std::span<float> logits) {
+      h.forward(hidden, rows, requests, logits);
+    };
+
+//! Heads (or a per-step drafter, drafts.hpp) told when a request leaves: `release(request)`.
+template <class H>
+concept request_releasing = requires(H& h, int request) { h.release(request); };
 
 //! No draft heads: plain decoding through `batch_decoder` with a root-only tree.
 struct no_heads {
