@@ -225,7 +225,11 @@ class basic_step_drafter {
       if (opt_.paths.empty() && !opt_.lookup)
         throw invalid_input("step drafter: give paths, dynamic_nodes or a lookup");
       if (!opt_.paths.empty()) {
-        const tree t = tree::from_paths(opt_.paths, {.topk = opt_.topk, .max_depth = heads_});
+        // Set field by field: nvcc's front end rejects designated initializers in a class template.
+        tree_options topt;
+        topt.topk = opt_.topk;
+        topt.max_depth = heads_;
+        const tree t = tree::from_paths(opt_.paths, topt);
         heads_depth_ = t.depth();
         heads_nodes_ = t.num_nodes();
         paths_ = t.sorted_paths();
@@ -343,7 +347,7 @@ concept request_step_drafts = requires(D& d, int request, std::span<const std::i
 //! head_logits, vocab, node_tokens)`, or `draft(request, history, ...)` (`request_step_drafts`),
 //! which the decoders prefer when both are there: `request` is the engine's id of the request the
 //! step serves (0 in the single-request `decoder`). Optionally `release(request)`: the request left
-//! the batch (finished, failed or `leave`), once per request that joined; it should not throw.
+//! the batch (finished, failed or `leave`), once per request that left; it should not throw.
 template <class D>
 concept step_drafts = requires(D& d) {
   { d.max_nodes() } -> std::convertible_to<int>;

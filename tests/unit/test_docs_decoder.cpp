@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <random>
+#include <span>
 #include <vector>
 
 namespace {
@@ -125,6 +126,21 @@ TEST_CASE("docs/tree.md and docs/decoder.md: the best tree for the machine, then
   CHECK(dec.generate(prompt, opt).tokens == plain.tokens);
   medusa::decoder fixed(model, heads, t, medusa::greedy_policy{});
   CHECK(fixed.generate(prompt, opt).tokens == plain.tokens);
+
+  // --- docs/decoder.md, "Branch sources and request ids" --------------------------------------
+  struct my_source {
+    int max_tokens = 4;
+    int* released = nullptr;  // here: a prompt lookup that counts the requests that left
+    int find(int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) {
+      return medusa::ngram_lookup{.min_ngram = 1, .max_tokens = max_tokens}.find(request, history, out);
+    }
+    void release(int) { ++*released; }
+  };
+  int released = 0;
+  medusa::basic_step_drafter<my_source> sourced({.paths = plan.paths, .lookup = my_source{.released = &released}}, /*heads=*/4);
+  medusa::decoder with_source(model, heads, sourced, medusa::greedy_policy{});
+  CHECK(with_source.generate(prompt, opt).tokens == plain.tokens);
+  CHECK(released == 1);
 }
 
 TEST_CASE("head_weights::random is seeded: same arguments, same weights; another seed, others") {

@@ -272,7 +272,8 @@ concept batched_draft_heads =
 //! single-request `decoder` passes request id 0.
 //!
 //! Optionally `release(request)`: the request left the batch (finished, failed or `leave`); its
-//! state may go. Called once per request that joined, after it left; it should not throw.
+//! state may go. Called once per request that left, after its slot is free (not for requests
+//! still in the batch when the decoder is destroyed); it should not throw.
 //! The single-row form (`draft_heads`) is still required: calibration and the step-cost probes
 //! call it outside any request.
 template <class H>
