@@ -10,7 +10,9 @@
 //!   `medusa::batch_decoder` drives it with any policy, drafts or tree.
 //! - `cuda_decoder`: greedy decoding of a batch where a step never leaves the device: heads,
 //!   candidates, the tree forward, verification, the KV commit and the bookkeeping are one CUDA
-//!   graph, replayed every step; the host reads back the committed tokens.
+//!   graph, replayed every step; the host reads back the committed tokens. Near the end of the
+//!   context, where a whole tree no longer fits, a request takes plain steps (a second graph), so
+//!   the tokens equal plain greedy decoding's up to the last slot.
 //!
 //! @code
 //! medusa_llama::cuda_engine gpu(medusa_llama::model::load_llama2c("model.bin"),
@@ -135,7 +137,7 @@ enum class cuda_stop {
   length,      //!< max_new_tokens reached
   eos,         //!< the EOS token (not emitted)
   stop_token,  //!< the stop token (emitted)
-  context,     //!< the next step would not fit the context
+  context,     //!< no slot of the context left (the token chosen at the last slot is emitted)
   failed,      //!< the device reported bad data (the result's `error` says what)
 };
 
@@ -150,7 +152,7 @@ struct cuda_request_result {
 //! Figures of the last `generate`.
 struct cuda_decode_stats {
   int steps = 0;                    //!< graph replays
-  std::vector<long long> accepted;  //!< Medusa: request steps by accepted drafts (0..depth)
+  std::vector<long long> accepted;  //!< Medusa: tree steps of requests by accepted drafts (0..depth)
   double prefill_seconds = 0;       //!< the prompts' forward
   double decode_seconds = 0;        //!< capture, steps and downloads
   double step_seconds = 0;          //!< the steps alone: graph replays and their downloads

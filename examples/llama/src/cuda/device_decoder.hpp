@@ -8,6 +8,12 @@
 //            → KV commit of the accepted rows → bookkeeping (lengths, h of the final node)
 //   plain:   forward over B tokens → argmax (top-k, k = 1) → bookkeeping (length + 1, next token)
 //
+// Near the end of its context, where a whole tree no longer fits, a request of a Medusa decode
+// takes plain steps (its pending token, which the host keeps, as the one row), as
+// medusa::batch_decoder does: a second captured sequence, replayed for those requests alone
+// while the others go on with the tree. Every slot of the context is used, so the tokens and
+// their number equal plain decoding's; `context` ends a request only once no slot is left.
+//
 // The bonus of a step is the root of the next, so a step commits its root and the accepted
 // drafts, as medusa::decoder does; the tokens equal plain greedy decoding's when every row of a
 // pass is computed as it would be alone (the attention kernels do that; the GEMMs must too).
@@ -45,7 +51,7 @@ struct device_request_result {
 
 struct device_decode_stats {
   int steps = 0;                     // replays
-  std::vector<long long> accepted;   // Medusa: histogram of accepted drafts per request step
+  std::vector<long long> accepted;   // Medusa: histogram of accepted drafts per request tree step
   double prefill_seconds = 0;
   double decode_seconds = 0;         // capture, steps and downloads
   double step_seconds = 0;           // the steps alone: replays and their downloads
@@ -143,36 +149,63 @@ class device_decoder {
     const auto t1 = clock::now();
     allocate(B, N);
     upload_state(B, N, first, length, hidden, eos_token);
-    // One step, run once outside the capture (so that libraries load what they load lazily), then
-    // captured; its effects are undone by uploading the state again.
+    // The steps, run once outside the capture (so that libraries load what they load lazily),
+    // then captured; their effects are undone by uploading the state again.
     step(B, N);
+    if (medusa()) fallback_step(B);
     ex_.sync();
     upload_state(B, N, first, length, hidden, eos_token);
     auto graph = ex_.capture([&] { step(B, N); });
+    std::optional<typename Exec::graph> fallback;  // Medusa: the plain steps near the context's end
+    if (medusa()) fallback.emplace(ex_.capture([&] { fallback_step(B); }));
     std::vector<char> active(sz(B), 1);
-    std::vector<std::int32_t> active_dev(sz(B), 1);
+    // The requests each sequence advances, and what the device holds of that (d_active_ and
+    // d_plain_active_ after upload_state).
+    std::vector<std::int32_t> in_step(sz(B)), in_plain(sz(B)), step_dev(sz(B), 1), plain_dev(sz(B), 0);
+    std::vector<std::int32_t> pending(first);  // Medusa: the bonus each request's next step commits first
     int live = B;
     if (!medusa()) {  // plain decoding emits the first token now; Medusa emits it as its first root
       for (int b = 0; b < B; ++b) live -= emit(b, first[sz(b)], max_new_tokens, eos_token, stop_token, active) ? 0 : 1;
     }
-    std::vector<std::int32_t> out_tokens, out_accept, out_status;
+    std::vector<std::int32_t> out_tokens, out_accept, out_status, out_bonus(sz(B));
     const auto t2 = clock::now();
     while (live > 0) {
-      // A request whose next step would not fit its context ends here.
-      bool changed = false;
-      for (int b = 0; b < B; ++b)
-        if (active[sz(b)] && length[sz(b)] + N + 1 > eng_.max_context()) {
+      // A step writes slots [L, L + N): a request whose step no longer fits takes a plain step
+      // (Medusa) or, with no slot left, ends here.
+      int steps = 0, plains = 0;
+      for (int b = 0; b < B; ++b) {
+        in_step[sz(b)] = in_plain[sz(b)] = 0;
+        if (!active[sz(b)]) continue;
+        if (length[sz(b)] + N <= eng_.max_context()) {
+          in_step[sz(b)] = 1;
+          ++steps;
+          continue;
+        }
+        // Medusa: the plain step's token is the pending bonus, emitted now as the library's
+        // decoder emits it; plain decoding emitted its pending token after the last step.
+        if (medusa() && !emit(b, pending[sz(b)], max_new_tokens, eos_token, stop_token, active)) {
+          --live;
+          continue;
+        }
+        if (!medusa() || length[sz(b)] >= eng_.max_context()) {
           finish(b, device_stop::context, active);
           --live;
-          changed = true;
+          continue;
         }
-      for (int b = 0; b < B; ++b)
-        if (active_dev[sz(b)] != static_cast<std::int32_t>(active[sz(b)])) {
-          active_dev[sz(b)] = active[sz(b)];
-          changed = true;
-        }
+        in_plain[sz(b)] = 1;
+        ++plains;
+      }
       if (live == 0) break;
-      if (changed) ex_.upload(d_active_.template as<void>(), active_dev.data(), sz(B) * 4);
+      if (in_step != step_dev) {
+        step_dev = in_step;
+        ex_.upload(d_active_.template as<void>(), step_dev.data(), sz(B) * 4);
+      }
+      if (in_plain != plain_dev) {
+        plain_dev = in_plain;
+        ex_.upload(d_plain_active_.template as<void>(), plain_dev.data(), sz(B) * 4);
+      }
+      if (plains > 0) run_fallback(*fallback, B, in_plain, length, pending, active, live);
+      if (steps == 0) continue;
       ex_.replay(graph);
       ++stats_.steps;
       // The step's outputs: committed tokens (Medusa: path tokens, root first; plain: the argmax)
@@ -182,21 +215,20 @@ class device_decoder {
       out_accept.assign(sz(B), 0);
       out_status.resize(sz(B));
       ex_.download(out_tokens.data(), (medusa() ? d_path_tokens_ : d_chosen_).template as<const void>(), out_tokens.size() * 4);
-      if (medusa()) ex_.download(out_accept.data(), d_accept_.template as<const void>(), sz(B) * 4);
+      if (medusa()) {
+        ex_.download(out_accept.data(), d_accept_.template as<const void>(), sz(B) * 4);
+        ex_.download(out_bonus.data(), d_bonus_.template as<const void>(), sz(B) * 4);
+      }
       ex_.download(out_status.data(), d_status_.template as<const void>(), sz(B) * 4);
       ex_.sync();
       for (int b = 0; b < B; ++b) {
-        if (!active[sz(b)]) continue;
-        ++results_[sz(b)].steps;
-        if (out_status[sz(b)] != 0) {
-          results_[sz(b)].error = "request " + std::to_string(b) + ": step " + std::to_string(stats_.steps) + ": " +
-                                  std::string(medusa::cuda::to_string(static_cast<medusa::cuda::request_status>(out_status[sz(b)])));
-          finish(b, device_stop::failed, active);
-          --live;
-          continue;
-        }
+        if (!in_step[sz(b)] || !active[sz(b)]) continue;
+        if (!stepped(b, out_status[sz(b)], "", active, live)) continue;
         const int a = out_accept[sz(b)];
-        if (medusa()) ++stats_.accepted[sz(a)];
+        if (medusa()) {
+          ++stats_.accepted[sz(a)];
+          pending[sz(b)] = out_bonus[sz(b)];
+        }
         length[sz(b)] += a + 1;
         for (int j = 0; j <= a; ++j)
           if (!emit(b, out_tokens[sz(b) * sz(stride) + sz(j)], max_new_tokens, eos_token, stop_token, active)) {
@@ -244,6 +276,38 @@ class device_decoder {
     active[sz(b)] = 0;
   }
 
+  // Counts a step of request b; false (the request failed, with what the status says) for a
+  // nonzero status.
+  bool stepped(int b, std::int32_t status, const char* what, std::vector<char>& active, int& live) {
+    ++results_[sz(b)].steps;
+    if (status == 0) return true;
+    results_[sz(b)].error = "request " + std::to_string(b) + ": step " + std::to_string(stats_.steps) + what + ": " +
+                            std::string(medusa::cuda::to_string(static_cast<medusa::cuda::request_status>(status)));
+    finish(b, device_stop::failed, active);
+    --live;
+    return false;
+  }
+
+  // One replay of the plain-step sequence for the requests of `in_plain` (their pending token was
+  // emitted): each commits it at its next slot, and the argmax becomes its pending token.
+  void run_fallback(const typename Exec::graph& g, int B, const std::vector<std::int32_t>& in_plain, std::vector<int>& length,
+                    std::vector<std::int32_t>& pending, std::vector<char>& active, int& live) {
+    std::vector<std::int32_t> positions(length.begin(), length.end()), chosen(sz(B)), status(sz(B));
+    ex_.upload(d_tokens_.template as<void>(), pending.data(), sz(B) * 4);
+    ex_.upload(d_positions_.template as<void>(), positions.data(), sz(B) * 4);
+    ex_.replay(g);
+    ++stats_.steps;
+    ex_.download(chosen.data(), d_chosen_.template as<const void>(), sz(B) * 4);
+    ex_.download(status.data(), d_plain_status_.template as<const void>(), sz(B) * 4);
+    ex_.sync();
+    for (int b = 0; b < B; ++b) {
+      if (!in_plain[sz(b)]) continue;
+      if (!stepped(b, status[sz(b)], " (plain, near the context's end)", active, live)) continue;
+      length[sz(b)] += 1;
+      pending[sz(b)] = chosen[sz(b)];
+    }
+  }
+
   void allocate(int B, int N) {
     const model_config& c = eng_.config();
     const std::size_t b = sz(B), n = sz(N), V = sz(c.vocab_size), d = sz(c.dim);
@@ -279,10 +343,13 @@ class device_decoder {
       step_op_.emplace(ex_.make_step_op(*tree_, static_cast<int>(H), B, c.vocab_size));
       heads_op_.emplace(ex_.template make_heads_op<T>(*heads_, B));
       commit_params_.reset();
-    } else {
-      d_chosen_ = i32(b);
-      argmax_op_.emplace(ex_.make_argmax_op(B, c.vocab_size));
+      d_plain_indptr_ = i32(b + 1);
+      d_plain_active_ = i32(b);
+      d_plain_status_ = i32(b);
     }
+    // Plain decoding's argmax, and a Medusa decode's plain steps'.
+    d_chosen_ = i32(b);
+    argmax_op_.emplace(ex_.make_argmax_op(B, c.vocab_size));
   }
 
   void upload_state(int B, int N, const std::vector<std::int32_t>& first, const std::vector<int>& length,
@@ -308,20 +375,26 @@ class device_decoder {
       ex_.upload(d_head_input_.template as<void>(), h.data(), h.size() * sizeof(T));
       std::vector<std::int32_t> eos(sz(B), eos_token);
       ex_.upload(d_eos_tokens_.template as<void>(), eos.data(), eos.size() * 4);
+      std::vector<std::int32_t> plain_indptr(sz(B) + 1);
+      for (int b = 0; b <= B; ++b) plain_indptr[sz(b)] = b;
+      ex_.upload(d_plain_indptr_.template as<void>(), plain_indptr.data(), plain_indptr.size() * 4);
+      ex_.upload(d_plain_active_.template as<void>(), zeros.data(), zeros.size() * 4);
+      ex_.upload(d_plain_status_.template as<void>(), zeros.data(), zeros.size() * 4);
     } else {
       ex_.upload(d_tokens_.template as<void>(), first.data(), sz(B) * 4);
       ex_.upload(d_positions_.template as<void>(), lengths.data(), sz(B) * 4);
     }
   }
 
-  pass_desc pass(int B, int N) const {
+  // A pass of N rows per request; `indptr` (B + 1 offsets) defaults to the step's, b · N.
+  pass_desc pass(int B, int N, const std::int32_t* indptr = nullptr) const {
     pass_desc p;
     p.tokens = B * N;
     p.batch = B;
     p.max_tokens_per_request = N;
     p.token_ids = d_tokens_.template as<const std::int32_t>();
     p.positions = d_positions_.template as<const std::int32_t>();
-    p.qo_indptr = d_indptr_.template as<const std::int32_t>();
+    p.qo_indptr = indptr != nullptr ? indptr : d_indptr_.template as<const std::int32_t>();
     p.cache_lengths = d_lengths_.template as<const std::int32_t>();
     p.kv = eng_.kv_for(d_tables_.template as<const std::int32_t>());
     p.out_rows = B * N;
@@ -335,22 +408,37 @@ class device_decoder {
     return p;
   }
 
+  // A plain step of a Medusa decode (the fallback graph): one row per request, the token and
+  // position the host uploaded to d_tokens_ / d_positions_ (a tree step's verify overwrites
+  // d_bonus_ of every request, so the host's copy of the pending token is the one to trust);
+  // the argmax is the next pending token. A request outside it (d_plain_active_ 0) keeps its
+  // length: the row wrote only a slot it has not committed.
+  void fallback_step(int B) {
+    plain_step(B, d_plain_indptr_.template as<const std::int32_t>(), d_plain_active_.template as<const std::int32_t>(),
+               d_plain_status_.template as<std::int32_t>());
+  }
+
+  // One token per request (rows at `indptr`), its argmax the next input; `active` requests advance.
+  void plain_step(int B, const std::int32_t* indptr, const std::int32_t* active, std::int32_t* status) {
+    eng_.core().run(pass(B, 1, indptr));
+    ex_.argmax(*argmax_op_, d_logits_.template as<const float>(), d_chosen_.template as<std::int32_t>(), status);
+    plain_bookkeeping_body body;
+    body.batch = B;
+    body.chosen = d_chosen_.template as<const std::int32_t>();
+    body.active = active;
+    body.lengths = d_lengths_.template as<std::int32_t>();
+    body.tokens = d_tokens_.template as<std::int32_t>();
+    body.positions = d_positions_.template as<std::int32_t>();
+    ex_.launch({.grid_x = (B + 127) / 128, .grid_y = 1, .threads = 128, .shared_bytes = 0}, body);
+  }
+
   // One step: what the graph holds.
   void step(int B, int N) {
     namespace mk = medusa::cuda::kernels;
     const model_config& c = eng_.config();
     auto* status = d_status_.template as<std::int32_t>();
     if (!medusa()) {
-      eng_.core().run(pass(B, 1));
-      ex_.argmax(*argmax_op_, d_logits_.template as<const float>(), d_chosen_.template as<std::int32_t>(), status);
-      plain_bookkeeping_body body;
-      body.batch = B;
-      body.chosen = d_chosen_.template as<const std::int32_t>();
-      body.active = d_active_.template as<const std::int32_t>();
-      body.lengths = d_lengths_.template as<std::int32_t>();
-      body.tokens = d_tokens_.template as<std::int32_t>();
-      body.positions = d_positions_.template as<std::int32_t>();
-      ex_.launch({.grid_x = (B + 127) / 128, .grid_y = 1, .threads = 128, .shared_bytes = 0}, body);
+      plain_step(B, d_indptr_.template as<const std::int32_t>(), d_active_.template as<const std::int32_t>(), status);
       return;
     }
     const int stride = tree_->depth() + 1;
@@ -407,7 +495,7 @@ class device_decoder {
   std::vector<device_request_result> results_;
   buffer<Exec> d_tokens_, d_positions_, d_indptr_, d_lengths_, d_active_, d_status_, d_tables_, d_logits_, d_hidden_,
       d_head_input_, d_head_logits_, d_accept_, d_next_node_, d_bonus_, d_eos_, d_best_row_, d_path_nodes_,
-      d_path_tokens_, d_new_lengths_, d_eos_tokens_, d_mask_, d_chosen_;
+      d_path_tokens_, d_new_lengths_, d_eos_tokens_, d_mask_, d_chosen_, d_plain_indptr_, d_plain_active_, d_plain_status_;
   std::optional<typename Exec::step_op> step_op_;
   std::optional<typename Exec::template heads_op<T>> heads_op_;
   std::optional<typename Exec::argmax_op> argmax_op_;
