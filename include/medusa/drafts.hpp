@@ -301,7 +301,10 @@ class basic_step_drafter {
         paths = with_lookup_branch(paths, top_tokens_, opt_.topk, std::span<const std::int32_t>(continuation_.data(), static_cast<std::size_t>(found)));
     }
     if (paths.empty()) return std::nullopt;  // lookup alone and no match: a plain step
-    tree out = tree::from_paths(paths, {.topk = opt_.topk + 1, .max_depth = std::max(max_depth_, 1)});
+    tree_options topt;  // field by field: see the constructor
+    topt.topk = opt_.topk + 1;
+    topt.max_depth = std::max(max_depth_, 1);
+    tree out = tree::from_paths(paths, topt);
     if (node_tokens.size() < static_cast<std::size_t>(out.num_nodes()))
       throw acceptance_error(acceptance_errc::size_mismatch, "step drafter: node_tokens too short");
     node_tokens[0] = history.empty() ? 0 : history.back();
