@@ -124,14 +124,6 @@ concept decoder_model = requires(M& m, const forward_batch& batch) {
 // Several requests per forward (continuous batching)
 // ------------------------------------------------------------------------------------------------
 
-namespace detail {
-// Where `ragged_batch::tree_mask` (a mask shared by the batch) was. Only `empty()`, always true,
-// is left, so code that merely tested it still builds; reading it as a mask does not compile.
-struct shared_tree_mask_removed_read_mask_of {
-  [[nodiscard]] static constexpr bool empty() noexcept { return true; }
-};
-}  // namespace detail
-
 //! One forward call over the new tokens of B requests, concatenated (a ragged batch, in
 //! FlashInfer's `qo_indptr` layout). Request `b` owns rows `[qo_indptr[b], qo_indptr[b+1])`:
 //! `n_b` tokens whose K/V go to slots `[cache_lengths[b], cache_lengths[b] + n_b)` of request
@@ -156,9 +148,6 @@ struct ragged_batch {
   std::span<const int> cache_lengths;       //!< `[B]` committed slots of each request
   //! `[B]`: request b's mask (see `mask_of`); empty: every request is causal (a prefill pass)
   std::span<const tree_mask_view> request_masks = {};
-  //! Gone: there is no mask shared by the batch; read `mask_of(b)`. What is left cannot be read as
-  //! a mask (it does not compile), so an engine cannot attend through it by mistake.
-  [[no_unique_address]] detail::shared_tree_mask_removed_read_mask_of tree_mask = {};
   bool last_row_only = false;               //!< outputs for each request's last row only (`[B]` rows)
   std::span<float> logits;                  //!< `[T or B][vocab]`
   std::span<float> hidden;                  //!< `[T or B][hidden]`

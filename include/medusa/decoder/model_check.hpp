@@ -101,12 +101,14 @@ constexpr bool check_step_drafts() {
                 "medusa: the drafter needs `int max_depth()`");
   static_assert(requires(D& d) { { d.heads_depth() } -> std::convertible_to<int>; },
                 "medusa: the drafter needs `int heads_depth()` (how many heads its trees read)");
-  static_assert(requires(D& d, std::span<const std::int32_t> history, std::span<const float> logits, int vocab,
-                         std::span<std::int32_t> tokens) {
-                  { d.draft(history, logits, vocab, tokens) } -> std::same_as<std::optional<tree>>;
-                },
+  static_assert(request_step_drafts<D> ||
+                    requires(D& d, std::span<const std::int32_t> history, std::span<const float> logits, int vocab,
+                             std::span<std::int32_t> tokens) {
+                      { d.draft(history, logits, vocab, tokens) } -> std::same_as<std::optional<tree>>;
+                    },
                 "medusa: the drafter needs `std::optional<medusa::tree> draft(std::span<const std::int32_t> history, "
-                "std::span<const float> head_logits, int vocab, std::span<std::int32_t> tokens)`");
+                "std::span<const float> head_logits, int vocab, std::span<std::int32_t> tokens)`, or the same with "
+                "`int request` first");
   return step_drafts<D>;
 }
 

@@ -41,8 +41,6 @@ struct engine_limits {
 template <class Exec, class T>
 class engine_state {
  public:
-  static constexpr bool accepts_request_masks = true;
-
   engine_state(Exec& ex, const model& m, const engine_limits& lim)
       : engine_state(ex, device_weights<Exec, T>(ex, m), lim) {}
   engine_state(Exec& ex, device_weights<Exec, T> w, const engine_limits& lim)
@@ -112,7 +110,7 @@ class engine_state {
                                {.max_requests = lim_.max_requests, .max_context = lim_.max_context,
                                 .max_tokens = lim_.max_tokens, .page_size = lim_.page_size},
                                b, [this](int r) { return pages_.mapped_slots(r); }, seen_);
-    const bool tree = !b.tree_mask.empty() || !b.request_masks.empty();
+    const bool tree = !b.request_masks.empty();
     const std::size_t V = sz(config().vocab_size), d = sz(config().dim);
     detail::for_each_pass(b, lim_.max_tokens, [&](const detail::pass_plan& p) {
       const int B = static_cast<int>(p.pieces.size());
