@@ -143,8 +143,8 @@ row_invariance_report check_row_invariance(Model& model, std::span<const std::in
   for (int s : options.pass_sizes)
     if (s < 1) throw invalid_input("check_row_invariance: a pass size must be at least 1, got " + std::to_string(s));
   int context = 0;
-  if constexpr (context_bounded_model<Model>) context = static_cast<int>(model.max_context());
-  else if constexpr (batch_decoder_model<Model>) context = kv_capacity(model.kv_cache(options.request));
+  if constexpr (batch_decoder_model<Model>) context = detail::request_context(model, options.request);
+  else if constexpr (context_bounded_model<Model>) context = static_cast<int>(model.max_context());
   else context = kv_capacity(model.kv_cache());
   // A tree pass writes its decoys past the chain: up to 4 slots past the last token.
   const int need = n + (options.tree_passes ? 4 : 0);
