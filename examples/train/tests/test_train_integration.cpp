@@ -2,6 +2,10 @@
 // End to end on the real pycode-15m model (skips when MEDUSA_SHARED_DIR has no models): train
 // heads by self-distillation with a small budget, save, load the directory back with the head
 // checkpoint loader, and decode: greedy Medusa output must equal plain greedy output.
+// The sanitizer runs give it less work, every stage and check kept (the asan test preset):
+// MEDUSA_TRAIN_TEST_TOKENS=N caps the positions of self-distillation data of each run,
+// MEDUSA_TRAIN_TEST_TEXTS=N the held-out texts of the Medusa-2 perplexity, and
+// MEDUSA_E2E_NEW_TOKENS=N the new tokens of each lossless decoding (as in test_medusa_e2e).
 #include <medusa_llama/packed_heads.hpp>
 #include <medusa_train/pipeline.hpp>
 
@@ -16,12 +20,29 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 namespace fs = std::filesystem;
+
+namespace {
+
+// `wanted`, or the positive integer in the environment variable `name` when that is smaller.
+template <class T>
+T capped(const char* name, T wanted) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return wanted;
+  const long long cap = std::atoll(env);
+  REQUIRE_MESSAGE(cap > 0, name << " must be a positive integer, not " << env);
+  return std::min(wanted, static_cast<T>(cap));
+}
+
+}  // namespace
 
 TEST_CASE("pycode-15m: train with a small budget, reload, decode losslessly") {
   const fs::path model_dir = fs::path(MEDUSA_SHARED_DIR) / "models" / "pycode-15m";
@@ -40,7 +61,7 @@ TEST_CASE("pycode-15m: train with a small budget, reload, decode losslessly") {
   o.out = out;
   o.heads = 4;
   o.layers = 1;
-  o.tokens = 4000;
+  o.tokens = capped<std::uint64_t>("MEDUSA_TRAIN_TEST_TOKENS", 4000);
   o.gen_len = 128;
   o.epochs = 2;
   o.threads = 2;
@@ -68,7 +89,7 @@ TEST_CASE("pycode-15m: train with a small budget, reload, decode losslessly") {
   medusa_llama::packed_heads runner(m, loaded.heads.view());
   medusa_llama::llama2c_tokenizer tok(model_dir / "tokenizer.bin", 2048, false);
   medusa::decode_options dopt;
-  dopt.max_new_tokens = 64;
+  dopt.max_new_tokens = capped("MEDUSA_E2E_NEW_TOKENS", 64);
   dopt.eos_token = tok.eos_id();
   for (const char* text : {"import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n        self.items = []\n"}) {
     const auto ids = tok.encode(text, true, false);
@@ -102,13 +123,14 @@ TEST_CASE("pycode-15m Medusa-2: train with a small budget, reload the merged mod
   o.model = model_dir / "model.bin";
   o.corpus = corpus;
   o.out = out;
-  o.tokens = 3000;
+  o.tokens = capped<std::uint64_t>("MEDUSA_TRAIN_TEST_TOKENS", 3000);
   o.gen_len = 128;
   o.epochs = 1;
   o.joint_epochs = 1;
   o.threads = 2;
   o.seed = 1;
   o.budget_seconds = 90;
+  o.perplexity_texts = capped("MEDUSA_TRAIN_TEST_TEXTS", o.perplexity_texts);
   const auto r = medusa_train::run_training(o, {});
   CHECK(r.joint.steps > 0);
   CHECK(r.quality.positions > 0);
@@ -125,7 +147,7 @@ TEST_CASE("pycode-15m Medusa-2: train with a small budget, reload the merged mod
   medusa_llama::packed_heads runner(m, loaded.heads.view());
   medusa_llama::llama2c_tokenizer tok(out / "model" / "tokenizer.bin", 2048, false);
   medusa::decode_options dopt;
-  dopt.max_new_tokens = 64;
+  dopt.max_new_tokens = capped("MEDUSA_E2E_NEW_TOKENS", 64);
   dopt.eos_token = tok.eos_id();
   for (const char* text : {"import os\nimport sys\n\n\ndef main():\n", "def parse_args(argv):\n    \"\"\"Parse the command line.\"\"\"\n"}) {
     const auto ids = tok.encode(text, true, false);
