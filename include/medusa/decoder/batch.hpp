@@ -39,6 +39,7 @@
 #include <medusa/decoder/options.hpp>
 #include <medusa/kv_cache.hpp>
 #include <medusa/tree.hpp>
+#include <medusa/tree/prefix.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -113,27 +114,6 @@ inline void check_logits_row(int request, std::uint64_t step, std::span<const fl
                                  describe_non_finite(row[static_cast<std::size_t>(scan.first_invalid)]));
   if (!scan.any_allowed)
     throw model_output_error(request, step, model_output::logits, where + ": every logit is -Inf");
-}
-
-// The first `m` nodes of `t` as a tree of their own (nodes are ordered by depth, so they hold the
-// root and every node's parent): the largest part of a tree step that fits a short KV pool.
-template <class Tree>
-::medusa::tree first_nodes(const Tree& t, int m) {
-  std::vector<std::vector<int>> paths;  // node i >= 1: the ranks from the root down to it
-  for (int i = 1; i < m; ++i) {
-    std::vector<int>& path = paths.emplace_back();
-    for (int v = i; v > 0; v = static_cast<int>(t.parent(v))) path.push_back(static_cast<int>(t.rank(v)));
-    std::reverse(path.begin(), path.end());
-  }
-  tree_options opts;
-  opts.topk = std::max(1, static_cast<int>(t.topk()));
-  opts.max_depth = std::max(1, static_cast<int>(t.depth()));
-  ::medusa::tree part = ::medusa::tree::from_paths(paths, opts);
-  for (int i = 0; i < m; ++i)  // node i must keep its index: its token, row and slot are node i's
-    if (part.parent(i) != static_cast<int>(t.parent(i)))
-      throw decode_error("the first " + std::to_string(m) + " nodes of the tree are not in canonical order (node " +
-                         std::to_string(i) + ")");
-  return part;
 }
 
 }  // namespace detail
