@@ -81,7 +81,7 @@ cuda_engine& engine_for(const shape& s) {
   auto& e = engines[s.name];
   if (!e)
     e = std::make_unique<cuda_engine>(cuda_engine::synthetic(
-        s.config, {.precision = cuda_precision::bf16, .max_requests = 1, .max_context = 2048, .max_tokens = 512}, 7));
+        s.config, {.precision = medusa::dtype::bf16, .max_requests = 1, .max_context = 2048, .max_tokens = 512}, 7));
   return *e;
 }
 

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The non-model kernels of a Medusa step on a CUDA device: per-head top-k, candidate gather,
-// verification (greedy, typical, rejection), and the whole non-model part of a step captured as
-// one CUDA graph, at batch 1/8/32, vocab 32000/128256, the 64-node mc_sim_7b_63 tree, bf16
-// logits. Times are CUDA-event times of 10 back-to-back launches per iteration (manual time),
+// verification (greedy, typical, rejection), at batch 1/8/32, vocab 32000/128256, the 64-node
+// mc_sim_7b_63 tree, bf16 logits; and the library's whole device step (`device_step`: heads,
+// candidates, verify, commit, bookkeeping as one CUDA graph) at batch 1/8/32, vocab 32000. Times are CUDA-event times of 10 back-to-back launches per iteration (manual time),
 // with the inputs rotated over enough copies to defeat the 50 MB L2. Run with
 // `--benchmark_repetitions=15 --benchmark_report_aggregates_only=true` for medians.
 // Also times the Llama-7B linear layers (cuBLAS bf16 GEMMs) for the same tokens, the floor of a
@@ -10,8 +10,11 @@
 #include <benchmark/benchmark.h>
 #include <cublas_v2.h>
 #include <medusa/cuda/common.cuh>
+#include <medusa/cuda/device_step.hpp>
 #include <medusa/cuda/kv_commit.cuh>
 #include <medusa/cuda/step_instances.cuh>
+#include <medusa/cuda/stream_executor.cuh>
+#include <medusa/tree.hpp>
 
 #include <algorithm>
 #include <memory>
@@ -228,41 +231,72 @@ void BM_kv_commit_7b(benchmark::State& state) {
   cudaStreamDestroy(s);
 }
 
-// verify (greedy) + KV commit of the verified paths + next candidates, one CUDA graph per
-// launch: the non-model part of a step. The commit reads the paths from verify's outputs.
-void BM_step_non_model(benchmark::State& state) {
-  const int batch = static_cast<int>(state.range(0)), vocab = static_cast<int>(state.range(1));
-  step_buffers buf(batch, vocab, mk::verify_kind::greedy, 0.0f);
-  kv_buffers kv(batch);
-  const auto verified = buf.verify_args(0, 0.0f);
-  kv.params.batch.path_offsets = nullptr;
-  kv.params.batch.paths = verified.path_nodes;
-  kv.params.batch.path_stride = verified.path_stride;
-  kv.params.batch.accept_lengths = verified.accept_length;
-  cudaStream_t s;
-  cudaStreamCreate(&s);
-  std::vector<cudaGraphExec_t> graphs;
-  for (int c = 0; c < std::max(buf.copies_nodes, buf.copies_heads); ++c) {
-    cudaGraph_t g;
-    mc::check(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "capture");
-    mc::check(step::verify(buf.plan, {}, buf.verify_args(c, 0.0f), buf.ws.p, buf.plan.workspace_bytes, s), "verify");
-    mc::check(mc::run(kv.plan, kv.params, s), "commit");
-    mc::check(buf.candidates(c, s), "candidates");
-    mc::check(cudaStreamEndCapture(s, &g), "capture");
-    cudaGraphExec_t e;
-    mc::check(cudaGraphInstantiate(&e, g, 0), "instantiate");
-    cudaGraphDestroy(g);
-    graphs.push_back(e);
+// The library's whole device step without a model: `device_step<stream_executor, bf16>` with
+// Llama-7B-shaped heads (hidden 4096, 4 heads of one ResBlock over a shared LM head of `vocab`
+// rows, random weights), heads → candidates → verify → KV commit → bookkeeping in one CUDA graph,
+// around a forward that adds nothing to the graph (its logits and hidden states are written once,
+// outside the capture). The time of a step is a replay and the download of its results, as an
+// engine's decode loop pays it; 100 steps a `generate`, prompts of 300 tokens.
+struct head_weights_7b {
+  static constexpr int hidden = 4096, heads = 4;
+  std::vector<float> w, b, lm_head;
+  medusa::head_stack<> stack;
+  explicit head_weights_7b(int vocab)
+      : w(static_cast<std::size_t>(heads) * hidden * hidden), b(static_cast<std::size_t>(heads) * hidden),
+        lm_head(static_cast<std::size_t>(vocab) * hidden),
+        stack(hidden, static_cast<std::size_t>(vocab), heads, 1, medusa::projection_kind::shared_lm_head) {
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> u(-1.0f / 64, 1.0f / 64);
+    for (auto* v : {&w, &b, &lm_head})
+      for (float& x : *v) x = u(rng);
+    for (int h = 0; h < heads; ++h)
+      stack.set_resblock(static_cast<std::size_t>(h), 0, medusa::weight_ptr::of(w.data() + static_cast<std::size_t>(h) * hidden * hidden),
+                         medusa::weight_ptr::of(b.data() + static_cast<std::size_t>(h) * hidden));
+    stack.set_lm_head(medusa::weight_ptr::of(lm_head.data()));
   }
-  std::size_t i = 0;
-  for (auto _ : state)
-    state.SetIterationTime(time_launches(s, [&](int) { cudaGraphLaunch(graphs[i++ % graphs.size()], s); }));
+};
+
+void BM_device_step(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0)), vocab = static_cast<int>(state.range(1));
+  constexpr int prompt = 300, steps = 100;
+  mc::stream_executor ex(0);
+  const head_weights_7b weights(vocab);
+  mc::device_step<mc::stream_executor, logit> step(ex, medusa::tree::preset("mc_sim_7b_63"), weights.stack);
+  kv_buffers kv(batch);
+  // The rows the forward "computes": logits with a spike per row, hidden states in [-1, 1).
+  const int nodes = step.rows_per_request();
+  const std::size_t rows = static_cast<std::size_t>(batch) * static_cast<std::size_t>(nodes);
+  std::vector<float> host_logits(rows * static_cast<std::size_t>(vocab), 0.0f), host_hidden(rows * head_weights_7b::hidden);
+  for (std::size_t r = 0; r < rows; ++r)
+    host_logits[r * static_cast<std::size_t>(vocab) + static_cast<std::size_t>(spike_token(static_cast<int>(r) / nodes, static_cast<int>(r) % nodes, vocab))] = 8.0f;
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& x : host_hidden) x = u(rng);
+  auto forward = [&](const mc::step_pass& p) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    mc::check(cudaStreamIsCapturing(ex.stream(), &capturing), "cudaStreamIsCapturing");
+    if (capturing != cudaStreamCaptureStatusNone) return;
+    const std::size_t n = static_cast<std::size_t>(p.batch) * static_cast<std::size_t>(p.rows_per_request);
+    ex.upload(p.logits, host_logits.data(), n * static_cast<std::size_t>(vocab) * sizeof(float));
+    if (p.hidden != nullptr) ex.upload(p.hidden, host_hidden.data(), n * head_weights_7b::hidden * sizeof(float));
+  };
+  const std::vector<std::int32_t> first(static_cast<std::size_t>(batch), 1);
+  const std::vector<int> lengths(static_cast<std::size_t>(batch), prompt);
+  const std::vector<float> hidden(host_hidden.begin(), host_hidden.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(batch) * head_weights_7b::hidden));
+  long long accepted = 0, tree_steps = 0;
+  for (auto _ : state) {
+    const auto r = step.generate({first, lengths, hidden}, static_cast<const mk::batch_kv&>(kv.params),
+                                 {.max_new_tokens = steps, .max_context = kv_buffers::capacity}, forward);
+    for (const auto& x : r)
+      if (x.stop == medusa::stop_reason::failed) state.SkipWithError(x.error.c_str());
+    state.SetIterationTime(step.stats().step_seconds / step.stats().steps);
+    for (std::size_t a = 0; a < step.stats().accepted.size(); ++a) {
+      accepted += step.stats().accepted[a] * static_cast<long long>(a);
+      tree_steps += step.stats().accepted[a];
+    }
+  }
   set_counters(state, batch, vocab);
-  std::vector<std::int32_t> accepted(static_cast<std::size_t>(batch));
-  mc::check(cudaMemcpy(accepted.data(), verified.accept_length, accepted.size() * 4, cudaMemcpyDeviceToHost), "read");
-  state.counters["accepted"] = accepted[0];
-  for (auto e : graphs) cudaGraphExecDestroy(e);
-  cudaStreamDestroy(s);
+  state.counters["accepted"] = tree_steps > 0 ? static_cast<double>(accepted) / static_cast<double>(tree_steps) : 0.0;
 }
 
 // The linear layers of Llama-7B (32 × {q,k,v,o 4096², gate/up 11008×4096, down 4096×11008} +
@@ -323,7 +357,7 @@ BENCHMARK(BM_verify_greedy)->Apply(step_sizes);
 BENCHMARK(BM_verify_typical)->Apply(step_sizes);
 BENCHMARK(BM_verify_rejection)->Apply(step_sizes);
 BENCHMARK(BM_kv_commit_7b)->Arg(1)->Arg(8)->Arg(32)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_step_non_model)->Apply(step_sizes);
+BENCHMARK(BM_device_step)->Args({1, 32000})->Args({8, 32000})->Args({32, 32000})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_llama7b_linear_layers)->Arg(1)->Arg(32)->Arg(64)->Arg(512)->Arg(2048)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace

@@ -1,24 +1,22 @@
 // SPDX-License-Identifier: Apache-2.0
-// How an engine wires the CUDA step kernels into its own Medusa step (docs/cuda.md).
+// How an engine decodes with the library's device step (docs/cuda.md): `medusa::cuda::device_step`
+// runs heads → candidates → the engine's forward → verify → KV commit → bookkeeping as one CUDA
+// graph, replayed every step, and takes smaller trees, then plain steps, near the context's end.
+// The engine supplies three things, shown here with a toy:
 //
-// The "model" here is a toy that fits in a kernel: its greedy next token after `t` is
-// `next(t) = (5t + 3) mod V`, its K/V rows hold the token they were computed for, and its "heads"
-// predict the next tokens correctly except at some (step, head) pairs. Everything else is what a
-// real engine does, in the order it does it, on one stream, captured once as a CUDA graph and
-// replayed every step:
+//   1. its prefill's results: each request's first token, prompt length and last hidden state;
+//   2. its KV cache as a `batch_kv` (here one contiguous range of slots per request);
+//   3. a capture-friendly forward over a `step_pass` (here a kernel: the toy's greedy next token
+//      after t is (5t + 3) mod V, its K rows hold the token they were computed for, and its hidden
+//      state is the one-hot of the token).
 //
-//   1. model forward over the tree tokens of every request  (the engine's kernels; here a toy)
-//   2. verify: greedy acceptance, accepted path, bonus       (step_kernels::verify)
-//   3. KV commit of the accepted rows, read from verify's outputs   (cuda::run, kv_commit.cuh)
-//   4. bookkeeping: committed tokens out, lengths advance   (the engine's kernels)
-//   5. heads on the final hidden state                      (cuda::device_heads; here a toy)
-//   6. next candidates: per-head top-k + gather             (step_kernels::candidates)
-//
-// At the end the host checks losslessness: every request's output equals plain greedy decoding of
-// the toy model, and the cache holds the committed tokens in order. Exits 77 without a device.
-#include <medusa/cuda/common.cuh>
-#include <medusa/cuda/kv_commit.cuh>
-#include <medusa/cuda/step_instances.cuh>
+// The heads are real `head_stack` weights (identity ResBlocks, one-hot projections) that know the
+// toy except for tokens t ≡ 0 (mod 5), where head 1 guesses wrong. At the end the host checks
+// losslessness: every request's output equals plain greedy decoding of the toy, to the last slot
+// of the context, and the cache holds the committed tokens in order. Exits 77 without a device.
+#include <medusa/cuda/device_step.hpp>
+#include <medusa/cuda/stream_executor.cuh>
+#include <medusa/tree.hpp>
 
 #include <cstdio>
 #include <vector>
@@ -28,58 +26,42 @@ namespace mk = medusa::cuda::kernels;
 
 namespace {
 
-using tree_tag = medusa::presets::tag_of<"mc_sim_7b_63">;
-constexpr int heads = 4, vocab = 512, batch = 3, prompt = 5, steps = 12;
-constexpr int layers = 2, kv_heads = 2, head_dim = 8, capacity = 256;
-using kernels = mc::step_kernels<tree_tag, float>;
+constexpr int vocab = 64, batch = 3, prompt = 5, context = 96, head_dim = 4;
 
 __host__ __device__ int next_token(int t) { return (5 * t + 3) % vocab; }
 
-// 1. The toy forward: row (b, u) of the logits peaks at next(token), and K/V rows at slot L + u
-// hold the token.
-__global__ void toy_forward(const std::int32_t* tokens, const std::int32_t* lengths, float* logits, float* k,
-                            float* v, int nodes) {
-  const int b = blockIdx.y, u = blockIdx.x;
-  const int token = tokens[b * nodes + u];
-  for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-    logits[(static_cast<std::size_t>(b) * nodes + u) * vocab + i] = i == next_token(token) ? 4.0f : 0.0f;
-  const int slot = b * capacity + lengths[b] + u;
-  for (int e = threadIdx.x; e < layers * kv_heads * head_dim; e += blockDim.x) {
-    const int layer = e / (kv_heads * head_dim), rest = e % (kv_heads * head_dim);
-    const std::size_t at = (static_cast<std::size_t>(layer) * batch * capacity + slot) * kv_heads * head_dim + rest;
-    k[at] = static_cast<float>(token);
-    v[at] = -static_cast<float>(token);
+// 3. The toy forward, one block per row (request b = block y, row i = block x).
+__global__ void toy_forward(mc::step_pass p, float* k, int capacity) {
+  const int b = blockIdx.y, i = blockIdx.x;
+  const int row = p.qo_indptr[b] + i;
+  const int t = p.tokens[row];
+  const int slot = p.cache_lengths[b] + i;
+  if (threadIdx.x == 0 && slot < capacity) k[(static_cast<std::size_t>(b) * capacity + slot) * head_dim] = static_cast<float>(t);
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
+    p.logits[static_cast<std::size_t>(row) * vocab + c] = c == next_token(t) ? 1.0f : 0.0f;
+    if (p.hidden != nullptr) p.hidden[static_cast<std::size_t>(row) * vocab + c] = c == t ? 1.0f : 0.0f;
   }
 }
 
-// 4. Bookkeeping: append root + accepted drafts, advance the length, count the step.
-__global__ void toy_bookkeeping(const std::int32_t* path_tokens, const std::int32_t* accept_length,
-                                const std::int32_t* new_lengths, std::int32_t* lengths, std::int32_t* out,
-                                int stride, std::int32_t* step) {
-  const int b = threadIdx.x;
-  if (b >= batch) return;
-  for (int j = 0; j <= accept_length[b]; ++j) out[b * capacity + lengths[b] + j] = path_tokens[b * stride + j];
-  lengths[b] = new_lengths[b];
-  if (b == 0) ++*step;
-}
-
-// 5. Toy heads: head h predicts next^(h+1)(root), wrong when (step + h) % 4 == 3.
-__global__ void toy_heads(const std::int32_t* roots, const std::int32_t* step, float* head_logits) {
-  const int b = blockIdx.y, h = blockIdx.x;
-  int t = roots[b];
-  for (int i = 0; i <= h; ++i) t = next_token(t);
-  if ((*step + h) % 4 == 3) t = (t + 1) % vocab;
-  for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-    head_logits[(static_cast<std::size_t>(b) * heads + h) * vocab + i] = i == t ? 2.0f : 0.0f;
-}
-
-template <class T>
-T* device_alloc(std::size_t count) {
-  T* p = nullptr;
-  mc::check(cudaMalloc(&p, count * sizeof(T)), "cudaMalloc");
-  mc::check(cudaMemset(p, 0, count * sizeof(T)), "cudaMemset");
-  return p;
-}
+// Heads over the one-hot state of the last accepted token t: head h proposes next^(h+2)(t).
+struct toy_heads {
+  std::vector<float> zeros = std::vector<float>(vocab * vocab, 0.0f);
+  std::vector<std::vector<float>> proj;
+  medusa::head_stack<> stack{vocab, vocab, 4, 1, medusa::projection_kind::per_head};
+  toy_heads() {
+    for (int h = 0; h < 4; ++h) {
+      auto& u = proj.emplace_back(vocab * vocab, 0.0f);
+      for (int t = 0; t < vocab; ++t) {
+        int x = t;
+        for (int s = 0; s < h + 2; ++s) x = next_token(x);
+        if (h == 1 && t % 5 == 0) x = (x + 1) % vocab;  // a wrong guess
+        u[static_cast<std::size_t>(x * vocab + t)] = 1.0f;
+      }
+      stack.set_resblock(h, 0, medusa::weight_ptr::of(zeros.data()), medusa::weight_ptr::of(zeros.data()));
+      stack.set_projection(h, medusa::weight_ptr::of(u.data()));
+    }
+  }
+};
 
 }  // namespace
 
@@ -88,122 +70,76 @@ int main() {
     std::puts("no CUDA device: the example needs one");
     return 77;
   }
-  const auto& tree = tree_tag::tree;
-  const int n = tree.num_nodes(), stride = tree.depth() + 1;
+  mc::stream_executor ex(0);
+  const auto tree = medusa::tree::preset("mc_sim_7b_63");
+  toy_heads heads;
+  mc::device_step<mc::stream_executor, float> step(ex, tree, heads.stack);
 
-  // Once per engine: plans and buffers. Nothing below allocates again.
-  const kernels::plan_type plan = kernels::plan(batch, heads, vocab, mk::verify_kind::greedy);
-  void* workspace = device_alloc<unsigned char>(plan.workspace_bytes);
-  auto* tokens = device_alloc<std::int32_t>(batch * n);
-  auto* positions = device_alloc<std::int32_t>(batch * n);
-  auto* logits = device_alloc<float>(static_cast<std::size_t>(batch) * n * vocab);
-  auto* head_logits = device_alloc<float>(static_cast<std::size_t>(batch) * heads * vocab);
-  const std::size_t cache_elements = static_cast<std::size_t>(layers) * batch * capacity * kv_heads * head_dim;
-  auto* k = device_alloc<float>(cache_elements);
-  auto* v = device_alloc<float>(cache_elements);
-  auto* lengths = device_alloc<std::int32_t>(batch);
-  auto* new_lengths = device_alloc<std::int32_t>(batch);
-  auto* out = device_alloc<std::int32_t>(batch * capacity);
-  auto* step = device_alloc<std::int32_t>(1);
-  auto* results = device_alloc<std::int32_t>(batch * (6 + 2 * stride));
-  auto* slot_bases = device_alloc<std::int32_t>(batch);
+  // 2. The cache: `capacity` slots per request, one layer, one KV head of `head_dim`.
+  const int capacity = context;
+  mc::executor_buffer<mc::stream_executor> k(ex, sizeof(float) * batch * capacity * head_dim),
+      v(ex, sizeof(float) * batch * capacity * head_dim), bases(ex, sizeof(std::int32_t) * batch);
+  mk::batch_kv kv{};
+  kv.k = k.as<void>();
+  kv.v = v.as<void>();
+  kv.element_bytes = 4;
+  kv.shape = {1, 1, head_dim};
+  kv.head_stride = head_dim;
+  kv.slot_stride = head_dim;
+  kv.layer_stride = static_cast<std::size_t>(batch) * capacity * head_dim;
+  kv.slots_per_request = capacity;
+  kv.slot_bases = bases.as<const std::int32_t>();
 
-  mk::verify_args<float> verify{};
-  verify.logits = logits;
-  verify.row_stride = vocab;
-  verify.node_tokens = tokens;
-  verify.path_stride = stride;
-  verify.accept_length = results;
-  verify.next_node = results + batch;
-  verify.bonus = results + 2 * batch;
-  verify.eos = results + 3 * batch;
-  verify.best_row = results + 4 * batch;
-  verify.status = results + 5 * batch;
-  verify.path_nodes = results + 6 * batch;
-  verify.path_tokens = results + 6 * batch + batch * stride;
-
-  // The commit reads the accepted paths straight from verify's outputs.
-  mk::kv_commit_params commit{};
-  commit.batch = {.size = batch, .committed_lengths = lengths, .paths = verify.path_nodes, .new_lengths = new_lengths,
-                  .path_stride = stride, .accept_lengths = verify.accept_length};
-  commit.k = k;
-  commit.v = v;
-  commit.element_bytes = sizeof(float);
-  commit.shape = {layers, kv_heads, head_dim};
-  commit.head_stride = head_dim;
-  commit.slot_stride = static_cast<std::size_t>(kv_heads) * head_dim;
-  commit.layer_stride = commit.slot_stride * batch * capacity;
-  commit.slots_per_request = capacity;
-  commit.slot_bases = slot_bases;
-  const mk::kv_commit_plan commit_plan = mk::plan_kv_commit(commit);
-
-  // Prefill (host, for brevity): the prompt's tokens and K/V rows, and the first root.
-  std::vector<std::int32_t> host_out(batch * capacity, -1), host_len(batch, prompt), roots(batch), bases(batch);
-  std::vector<float> host_k(cache_elements, 0.0f), host_v(cache_elements, 0.0f);
+  // 1. The prefill (on the host, for brevity): the prompts' K rows, first tokens, hidden states.
+  std::vector<float> host_k(static_cast<std::size_t>(batch) * capacity * head_dim, -1.0f), hidden;
+  std::vector<std::int32_t> first, slot_bases;
+  std::vector<int> lengths;
+  std::vector<std::vector<int>> sequences;  // each request's tokens, for the check
   for (int b = 0; b < batch; ++b) {
-    bases[b] = b * capacity;
-    int t = 7 * b + 1;
-    for (int i = 0; i < prompt; ++i, t = next_token(t)) {
-      host_out[b * capacity + i] = t;
-      for (int l = 0; l < layers; ++l)
-        for (int e = 0; e < kv_heads * head_dim; ++e) {
-          const std::size_t at = (static_cast<std::size_t>(l) * batch * capacity + b * capacity + i) * kv_heads * head_dim + e;
-          host_k[at] = static_cast<float>(host_out[b * capacity + i]);
-          host_v[at] = -static_cast<float>(host_out[b * capacity + i]);
-        }
+    std::vector<int>& seq = sequences.emplace_back();
+    for (int i = 0, t = 7 * b + 1; i < prompt; ++i, t = (t * 13 + 5) % vocab) {
+      seq.push_back(t);
+      host_k[(static_cast<std::size_t>(b) * capacity + i) * head_dim] = static_cast<float>(t);
     }
-    roots[b] = next_token(host_out[b * capacity + prompt - 1]);  // greedy of the prefill's last row
+    first.push_back(next_token(seq.back()));
+    for (int c = 0; c < vocab; ++c) hidden.push_back(c == seq.back() ? 1.0f : 0.0f);
+    lengths.push_back(prompt);
+    slot_bases.push_back(b * capacity);
   }
-  mc::check(cudaMemcpy(out, host_out.data(), host_out.size() * 4, cudaMemcpyHostToDevice), "upload");
-  mc::check(cudaMemcpy(lengths, host_len.data(), batch * 4, cudaMemcpyHostToDevice), "upload");
-  mc::check(cudaMemcpy(verify.bonus, roots.data(), batch * 4, cudaMemcpyHostToDevice), "upload");
-  mc::check(cudaMemcpy(slot_bases, bases.data(), batch * 4, cudaMemcpyHostToDevice), "upload");
-  mc::check(cudaMemcpy(k, host_k.data(), cache_elements * 4, cudaMemcpyHostToDevice), "upload");
-  mc::check(cudaMemcpy(v, host_v.data(), cache_elements * 4, cudaMemcpyHostToDevice), "upload");
+  ex.upload(k.as<void>(), host_k.data(), host_k.size() * sizeof(float));
+  ex.upload(bases.as<void>(), slot_bases.data(), slot_bases.size() * sizeof(std::int32_t));
 
-  cudaStream_t stream;
-  mc::check(cudaStreamCreate(&stream), "stream");
-  // The first tree: heads on the prefill state, then candidates.
-  toy_heads<<<dim3(heads, batch), 128, 0, stream>>>(verify.bonus, step, head_logits);
-  mc::check(kernels::candidates(plan, {}, head_logits, vocab, verify.bonus, lengths, tokens, positions, verify.status,
-                                workspace, plan.workspace_bytes, stream),
-            "candidates");
+  const auto results = step.generate({first, lengths, hidden}, kv, {.max_new_tokens = 1000, .max_context = context},
+                                     [&](const mc::step_pass& p) {
+                                       toy_forward<<<dim3(p.rows_per_request, p.batch), 64, 0, ex.stream()>>>(
+                                           p, k.as<float>(), capacity);
+                                       mc::check(cudaGetLastError(), "toy forward");
+                                     });
+  ex.download(host_k.data(), k.as<const void>(), host_k.size() * sizeof(float));
+  ex.sync();
 
-  // One Medusa step, captured once.
-  cudaGraph_t graph;
-  mc::check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
-  toy_forward<<<dim3(n, batch), 128, 0, stream>>>(tokens, lengths, logits, k, v, n);
-  mc::check(kernels::verify(plan, {}, verify, workspace, plan.workspace_bytes, stream), "verify");
-  mc::check(mc::run(commit_plan, commit, stream), "commit");
-  toy_bookkeeping<<<1, 32, 0, stream>>>(verify.path_tokens, verify.accept_length, new_lengths, lengths, out, stride, step);
-  toy_heads<<<dim3(heads, batch), 128, 0, stream>>>(verify.bonus, step, head_logits);
-  mc::check(kernels::candidates(plan, {}, head_logits, vocab, verify.bonus, lengths, tokens, positions, verify.status,
-                                workspace, plan.workspace_bytes, stream),
-            "candidates");
-  mc::check(cudaStreamEndCapture(stream, &graph), "capture");
-  cudaGraphExec_t exec;
-  mc::check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (int s = 0; s < steps; ++s) mc::check(cudaGraphLaunch(exec, stream), "launch");
-  mc::check(cudaStreamSynchronize(stream), "sync");
-
-  // Lossless: each request's tokens are plain greedy decoding, and the cache holds them in order.
-  mc::check(cudaMemcpy(host_out.data(), out, host_out.size() * 4, cudaMemcpyDeviceToHost), "download");
-  mc::check(cudaMemcpy(host_len.data(), lengths, batch * 4, cudaMemcpyDeviceToHost), "download");
-  mc::check(cudaMemcpy(host_k.data(), k, cache_elements * 4, cudaMemcpyDeviceToHost), "download");
+  // Lossless: each request's tokens are plain greedy decoding of the toy, every slot of the
+  // context is used, and the cache holds the committed tokens in order.
+  const auto& stats = step.stats();
   int failures = 0;
   for (int b = 0; b < batch; ++b) {
-    const int generated = host_len[b] - prompt;
-    for (int i = 1; i < host_len[b]; ++i) {
-      failures += host_out[b * capacity + i] != next_token(host_out[b * capacity + i - 1]);
-      failures += host_k[(static_cast<std::size_t>(b) * capacity + i) * kv_heads * head_dim] != host_out[b * capacity + i];
+    const auto& r = results[static_cast<std::size_t>(b)];
+    std::vector<int>& seq = sequences[static_cast<std::size_t>(b)];
+    for (const std::int32_t t : r.tokens) {
+      failures += t != next_token(seq.back());
+      seq.push_back(t);
     }
-    std::printf("request %d: %d tokens in %d steps (%.2f per step)\n", b, generated, steps,
-                static_cast<double>(generated) / steps);
-    failures += generated < steps;
+    failures += static_cast<int>(r.tokens.size()) != context - prompt + 1;
+    failures += r.stop != medusa::stop_reason::context_full;
+    for (int s = 0; s < context; ++s)
+      failures += host_k[(static_cast<std::size_t>(b) * capacity + s) * head_dim] != static_cast<float>(seq[static_cast<std::size_t>(s)]);
+    std::printf("request %d: %zu tokens in %d steps (%.2f per step), stop: %s\n", b, r.tokens.size(), r.steps,
+                static_cast<double>(r.tokens.size()) / r.steps, std::string(medusa::to_string(r.stop)).c_str());
   }
+  std::printf("request steps by tree size:");
+  const auto sizes = step.step_sizes();
+  for (std::size_t j = 0; j < sizes.size(); ++j) std::printf(" %d nodes: %lld,", sizes[j], stats.by_size[j]);
+  std::printf(" %d replays\n", stats.steps);
   std::printf(failures == 0 ? "lossless: every token equals plain greedy decoding\n" : "%d mismatches\n", failures);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
   return failures == 0 ? 0 : 1;
 }

@@ -191,11 +191,15 @@ int main(int argc, char** argv) {
   app.add_option("--device", a.device,
                  "cpu, or cuda: the GPU engine, greedy decoding with each step one CUDA graph (prompts --batch at a time)")
       ->capture_default_str();
-  const std::map<std::string, medusa_llama::cuda_precision> precisions{{"f32", medusa_llama::cuda_precision::f32},
-                                                                       {"f16", medusa_llama::cuda_precision::f16},
-                                                                       {"bf16", medusa_llama::cuda_precision::bf16}};
-  app.add_option("--precision", a.precision, "--device cuda: weights, GEMM inputs and KV cache in f32 | f16 | bf16")
-      ->transform(CLI::CheckedTransformer(precisions))
+  app.add_option_function<std::string>(
+         "--precision",
+         [&a](const std::string& v) {
+           if (v == "f32") a.precision = medusa::dtype::f32;
+           else if (v == "f16") a.precision = medusa::dtype::f16;
+           else if (v == "bf16") a.precision = medusa::dtype::bf16;
+           else throw usage_error("--precision must be f32, f16 or bf16, got " + v);
+         },
+         "--device cuda: weights, GEMM inputs and KV cache in f32 | f16 | bf16")
       ->default_str("bf16");
   app.add_option_function<std::string>(
          "--cuda-gemm",

@@ -100,7 +100,7 @@ TEST_CASE("stories260K (f32): greedy from BOS prints run.c's reference text") {
   const auto dir = models / "stories260K";
   if (!have(dir / "stories260K.bin") || !have(dir / "reference-greedy-200.txt")) return;
   const auto loaded = load(dir / "stories260K.bin", dir / "tok512.bin");
-  cuda_engine e(loaded.weights, {.precision = cuda_precision::f32, .max_requests = 1});
+  cuda_engine e(loaded.weights, {.precision = medusa::dtype::f32, .max_requests = 1});
   MESSAGE("device: " << e.device_name());
   cuda_decoder plain(e);
   const std::vector<std::vector<std::int32_t>> prompts = {{1}};
@@ -129,7 +129,7 @@ TEST_CASE("pycode-15m (f32): greedy continuations of the five prompts, batched, 
     prompts.push_back(c.at("prompt_ids").get<std::vector<std::int32_t>>());
     want.push_back(c.at("greedy_ids").get<std::vector<std::int32_t>>());
   }
-  cuda_engine e(m, {.precision = cuda_precision::f32, .max_requests = static_cast<int>(prompts.size())});
+  cuda_engine e(m, {.precision = medusa::dtype::f32, .max_requests = static_cast<int>(prompts.size())});
   cuda_decoder plain(e);
   const auto r = plain.generate(prompts, j.at("new_tokens").get<int>());
   for (std::size_t i = 0; i < prompts.size(); ++i) {
@@ -146,10 +146,10 @@ TEST_CASE("logits within a stated tolerance of the CPU engine: f32 1e-4, bf16 an
   for (int i = 0; i < 120; ++i) prompt.push_back(3 + (i * 37) % 250);
   batch_engine cpu(m, {.max_requests = 1});
   const auto want = prefill_logits(cpu, prompt);
-  for (const cuda_precision p : {cuda_precision::f32, cuda_precision::bf16, cuda_precision::f16}) {
+  for (const medusa::dtype p : {medusa::dtype::f32, medusa::dtype::bf16, medusa::dtype::f16}) {
     CAPTURE(to_string(p));
     cuda_engine e(m, {.precision = p, .max_requests = 1});
-    check_close(prefill_logits(e, prompt), want, p == cuda_precision::f32 ? 1e-4f : 3e-2f, to_string(p));
+    check_close(prefill_logits(e, prompt), want, p == medusa::dtype::f32 ? 1e-4f : 3e-2f, to_string(p).data());
   }
 }
 
@@ -157,7 +157,7 @@ TEST_CASE("a row's logits do not depend on the pass: a chunk equals its tokens d
   const auto dir = models / "pycode-15m";
   if (!have(dir / "model.bin")) return;
   const auto m = model::load_llama2c(dir / "model.bin");
-  for (const cuda_precision p : {cuda_precision::bf16, cuda_precision::f32}) {
+  for (const medusa::dtype p : {medusa::dtype::bf16, medusa::dtype::f32}) {
     CAPTURE(to_string(p));
     cuda_engine e(m, {.precision = p, .max_requests = 2});
     const int V = e.vocab_size(), n = 40;
@@ -216,7 +216,7 @@ TEST_CASE("Medusa on the device equals plain decoding on every shared model, ran
     CAPTURE(sm.path.string());
     const auto m = fs::is_directory(sm.path) ? model::load_hf(sm.path) : model::load_llama2c(sm.path);
     const medusa::head_weights hw = random_heads(m, 4, 3);
-    for (const cuda_precision p : {cuda_precision::f32, cuda_precision::bf16}) {
+    for (const medusa::dtype p : {medusa::dtype::f32, medusa::dtype::bf16}) {
       CAPTURE(to_string(p));
       cuda_engine e(m, {.precision = p, .max_requests = 4});
       const auto heads = hw.kind() == medusa::projection_kind::per_head
@@ -244,7 +244,7 @@ TEST_CASE("Medusa on the device with trained pycode-15m heads (MEDUSA_GPU_HEADS)
   const auto loaded = medusa::load_heads(dir, opt);
   const auto heads = loaded.heads.view();
   const std::vector<std::vector<std::int32_t>> prompts = {{1, 1017, 1496, 270}, {1, 378, 1193}, {1}, {1, 1002, 1028, 270}};
-  for (const cuda_precision p : {cuda_precision::f32, cuda_precision::bf16}) {
+  for (const medusa::dtype p : {medusa::dtype::f32, medusa::dtype::bf16}) {
     CAPTURE(to_string(p));
     cuda_engine e(m, {.precision = p, .max_requests = 4});
     for (const char* preset : {"mc_sim_7b_63", "vicuna_7b_stage2"}) {

@@ -190,7 +190,7 @@ std::vector<std::vector<std::int32_t>> library_decode(Model& model, Heads& heads
   return out;
 }
 
-std::vector<std::vector<std::int32_t>> tokens_of(const std::vector<cd::device_request_result>& r) {
+std::vector<std::vector<std::int32_t>> tokens_of(const std::vector<medusa::cuda::device_request_result>& r) {
   std::vector<std::vector<std::int32_t>> out;
   for (const auto& x : r) out.push_back(x.tokens);
   return out;
@@ -248,7 +248,7 @@ TEST_CASE_TEMPLATE("the device-side step (the graph's sequence) decodes exactly 
   const auto p = plain.generate(prompts, tokens(32), /*eos*/ -1);
   for (const auto& r : p) {
     CHECK(static_cast<int>(r.tokens.size()) == tokens(32));
-    CHECK(r.stop == cd::device_stop::length);
+    CHECK(r.stop == medusa::stop_reason::max_tokens);
   }
   const auto tree = medusa::tree::preset("mc_sim_7b_63");
   // the preset is 4 deep: 4 heads
@@ -259,11 +259,11 @@ TEST_CASE_TEMPLATE("the device-side step (the graph's sequence) decodes exactly 
   medusa::no_heads none;
   CHECK(library_decode(gpu, none, medusa::plain_tree{}, prompts, tokens(32)) == tokens_of(p));
   // Steps: random heads rarely guess right, but each step commits at least its root.
-  CHECK(med.stats().steps >= 1);
-  CHECK(med.stats().steps <= plain.stats().steps);
+  CHECK(med.stats().step.steps >= 1);
+  CHECK(med.stats().step.steps <= plain.stats().step.steps);
   // The drafts were accepted often enough that long paths were committed.
-  REQUIRE(med.stats().accepted.size() == 5);
-  CHECK(med.stats().accepted[2] + med.stats().accepted[3] + med.stats().accepted[4] > 0);
+  REQUIRE(med.stats().step.accepted.size() == 5);
+  CHECK(med.stats().step.accepted[2] + med.stats().step.accepted[3] + med.stats().step.accepted[4] > 0);
 }
 
 TEST_CASE("the device-side step stops at EOS and at the end of the context like plain decoding") {
@@ -277,22 +277,22 @@ TEST_CASE("the device-side step stops at EOS and at the end of the context like 
   cd::device_decoder<cd::host_executor, float> plain(gpu, nullptr, nullptr);
   const auto p = plain.generate(prompts, 100, -1);
   // The context (48) ends both requests before 100 tokens.
-  for (const auto& r : p) CHECK(r.stop == cd::device_stop::context);
+  for (const auto& r : p) CHECK(r.stop == medusa::stop_reason::context_full);
   // An EOS: the 5th token of request 0's plain output (or an earlier copy of it).
   const std::int32_t eos = p[0].tokens.at(4);
   const auto first_eos = std::find(p[0].tokens.begin(), p[0].tokens.end(), eos);
   const auto pe = plain.generate(prompts, 100, eos);
-  CHECK(pe[0].stop == cd::device_stop::eos);
+  CHECK(pe[0].stop == medusa::stop_reason::eos);
   CHECK(pe[0].tokens == std::vector<std::int32_t>(p[0].tokens.begin(), first_eos));
   const auto tree = medusa::tree::from_text("[[0],[1],[0,0]]");
   cd::device_decoder<cd::host_executor, float> med(gpu, &tree, &stack);
   const auto me = med.generate(prompts, 100, eos);
-  CHECK(me[0].stop == cd::device_stop::eos);
+  CHECK(me[0].stop == medusa::stop_reason::eos);
   CHECK(me[0].tokens == pe[0].tokens);
   // Near the context's end Medusa takes plain steps: the same tokens, to the last slot.
   const auto mc = med.generate(prompts, 100, -1);
   for (std::size_t b = 0; b < prompts.size(); ++b) {
-    CHECK(mc[b].stop == cd::device_stop::context);
+    CHECK(mc[b].stop == medusa::stop_reason::context_full);
     CHECK(mc[b].tokens == p[b].tokens);
   }
 }
@@ -302,7 +302,8 @@ TEST_CASE("near the end of the context the device step decodes exactly as plain 
   const medusa::head_weights hw = random_heads(m, 4, 8);
   const auto stack = hw.view();
   std::mt19937 rng(6);
-  // Prompts of 5 and 11 tokens in a context of 72: the last 64 slots take plain steps.
+  // Prompts of 5 and 11 tokens in a context of 72: where the 64-node tree no longer fits, smaller
+  // trees, then plain steps.
   const int context = 72;
   const std::vector<std::vector<std::int32_t>> prompts = {random_tokens(rng, 5, 97), random_tokens(rng, 11, 97)};
   cd::host_executor ex;
@@ -320,17 +321,19 @@ TEST_CASE("near the end of the context the device step decodes exactly as plain 
     CAPTURE(dec->medusa());
     const auto r = dec->generate(prompts, 100, -1);
     CHECK(tokens_of(r) == want);
-    for (const auto& x : r) CHECK(x.stop == cd::device_stop::context);
+    for (const auto& x : r) CHECK(x.stop == medusa::stop_reason::context_full);
     // max_new_tokens reached exactly at the last slot: a length stop, not the context's
     const auto exact = dec->generate(std::span(prompts).first(1), static_cast<int>(want[0].size()), -1);
     CHECK(exact[0].tokens == want[0]);
-    CHECK(exact[0].stop == cd::device_stop::length);
+    CHECK(exact[0].stop == medusa::stop_reason::max_tokens);
   }
-  // Tree steps ran before the plain ones.
-  REQUIRE(med.stats().accepted.size() == 5);
+  // Whole trees ran, then every smaller size, then plain steps.
+  REQUIRE(med.stats().step.accepted.size() == 5);
   long long tree_steps = 0;
-  for (long long n : med.stats().accepted) tree_steps += n;
+  for (long long n : med.stats().step.accepted) tree_steps += n;
   CHECK(tree_steps > 0);
+  REQUIRE(med.stats().step.by_size.size() == 5);
+  for (const long long n : med.stats().step.by_size) CHECK(n > 0);
 }
 
 TEST_CASE("the GPU engine refuses bad batches and bad commits before touching the cache") {

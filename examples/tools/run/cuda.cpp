@@ -23,10 +23,10 @@ int run_cuda(const run_args& a, medusa_llama::loaded_model& lm, const std::vecto
   eo.max_tokens = std::max(512, B * (tree ? tree->num_nodes() : want_medusa ? a.max_nodes : 1));
   eo.batch_invariant = !a.cuda_gemm_fast;
   medusa_llama::cuda_engine eng(lm.weights, eo);
-  const nlohmann::json device = {{"device", "cuda"}, {"name", eng.device_name()}, {"precision", medusa_llama::to_string(a.precision)},
+  const nlohmann::json device = {{"device", "cuda"}, {"name", eng.device_name()}, {"precision", std::string(medusa::to_string(a.precision))},
                                  {"gemm", a.cuda_gemm_fast ? "fast" : "invariant"}};
   if (!a.json)
-    std::fprintf(stderr, "device: %s, %s weights, %s GEMMs\n", eng.device_name().c_str(), medusa_llama::to_string(a.precision),
+    std::fprintf(stderr, "device: %s, %s weights, %s GEMMs\n", eng.device_name().c_str(), medusa::to_string(a.precision).data(),
                  a.cuda_gemm_fast ? "fast" : "batch-invariant");
   std::optional<medusa::head_stack<>> stack;
   if (want_medusa)
@@ -78,15 +78,6 @@ int run_cuda(const run_args& a, medusa_llama::loaded_model& lm, const std::vecto
     tree_info = describe(*tree, a.tree);
   }
   const int eos = lm.tok->eos_id(), bos = lm.tok->bos_id();
-  auto stop_of = [](medusa_llama::cuda_stop s) {
-    switch (s) {
-      case medusa_llama::cuda_stop::eos: return medusa::stop_reason::eos;
-      case medusa_llama::cuda_stop::stop_token: return medusa::stop_reason::callback;
-      case medusa_llama::cuda_stop::context: return medusa::stop_reason::context_full;
-      case medusa_llama::cuda_stop::failed: return medusa::stop_reason::failed;
-      default: return medusa::stop_reason::max_tokens;
-    }
-  };
   std::vector<batch_report> reports;
   std::vector<long long> histogram;
   auto one = [&](const std::string& mode, medusa_llama::cuda_decoder& dec) {
@@ -105,10 +96,10 @@ int run_cuda(const run_args& a, medusa_llama::loaded_model& lm, const std::vecto
       }
       for (std::size_t i = 0; i < n; ++i) {
         const auto& r = results[i];
-        if (r.stop == medusa_llama::cuda_stop::failed) throw medusa::decode_error(r.error);
+        if (r.stop == medusa::stop_reason::failed) throw medusa::decode_error(r.error);
         medusa::decode_result d;
         d.tokens = r.tokens;
-        d.reason = stop_of(r.stop);
+        d.reason = r.stop;
         d.stats.prompt_tokens = static_cast<int>(prompts[first + i].size());
         d.stats.new_tokens = static_cast<int>(r.tokens.size());
         d.stats.steps = r.steps;

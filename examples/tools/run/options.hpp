@@ -41,7 +41,7 @@ struct run_args {
   medusa_llama::weight_format head_weights = medusa_llama::weight_format::int8;
   bool json = false;
   std::string device = "cpu";                                             // cpu | cuda
-  medusa_llama::cuda_precision precision = medusa_llama::cuda_precision::bf16;  // --device cuda
+  medusa::dtype precision = medusa::dtype::bf16;  // --device cuda
   bool cuda_gemm_fast = false;                                            // --cuda-gemm fast
 };
 

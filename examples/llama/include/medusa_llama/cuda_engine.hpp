@@ -8,15 +8,16 @@
 //!   memory, cuBLASLt GEMMs, the library's tree attention. It is a `medusa::batch_decoder_model` that
 //!   commits accepted paths itself (`commit`: the decoders never touch device memory), so
 //!   `medusa::batch_decoder` drives it with any policy, drafts or tree.
-//! - `cuda_decoder`: greedy decoding of a batch where a step never leaves the device: heads,
-//!   candidates, the tree forward, verification, the KV commit and the bookkeeping are one CUDA
-//!   graph, replayed every step; the host reads back the committed tokens. Near the end of the
-//!   context, where a whole tree no longer fits, a request takes plain steps (a second graph), so
-//!   the tokens equal plain greedy decoding's up to the last slot.
+//! - `cuda_decoder`: greedy decoding of a batch where a step never leaves the device: the library's
+//!   `medusa::cuda::device_step` (heads, candidates, the tree forward, verification, the KV commit
+//!   and the bookkeeping as one CUDA graph, replayed every step) around this engine's forward; the
+//!   host reads back the committed tokens. Near the end of the context, where a whole tree no
+//!   longer fits, a request takes smaller trees, then plain steps, so the tokens equal plain greedy
+//!   decoding's up to the last slot.
 //!
 //! @code
 //! medusa_llama::cuda_engine gpu(medusa_llama::model::load_llama2c("model.bin"),
-//!                               {.precision = medusa_llama::cuda_precision::bf16});
+//!                               {.precision = medusa::dtype::bf16});
 //! auto loaded = medusa::load_heads("heads/");                  // <medusa/io.hpp>
 //! auto tree = medusa::tree::preset("mc_sim_7b_63");
 //! medusa_llama::cuda_decoder medusa_dec(gpu, loaded.heads.view(), tree), plain_dec(gpu);
@@ -26,7 +27,9 @@
 #pragma once
 
 #include <medusa/decoder/model.hpp>
+#include <medusa/decoder/options.hpp>
 #include <medusa/decoder/step_cost.hpp>
+#include <medusa/dtype.hpp>
 #include <medusa/heads.hpp>
 #include <medusa/tree.hpp>
 #include <medusa_llama/errors.hpp>
@@ -40,18 +43,11 @@
 
 namespace medusa_llama {
 
-//! Precision of the weights, the GEMM inputs and the KV cache on the GPU. GEMMs accumulate in f32;
-//! the residual stream, logits and hidden states are f32 in every case.
-enum class cuda_precision { f32, f16, bf16 };
-
-//! Name of a precision ("f32", "f16", "bf16").
-[[nodiscard]] constexpr const char* to_string(cuda_precision p) noexcept {
-  return p == cuda_precision::f32 ? "f32" : p == cuda_precision::f16 ? "f16" : "bf16";
-}
-
 //! Sizes, device and precision of a `cuda_engine`.
 struct cuda_engine_options {
-  cuda_precision precision = cuda_precision::bf16;  //!< weights, GEMM inputs and KV cache
+  //! Element type of the weights, the GEMM inputs and the KV cache. GEMMs accumulate in f32; the
+  //! residual stream, logits and hidden states are f32 in every case.
+  medusa::dtype precision = medusa::dtype::bf16;
   int device = 0;          //!< CUDA device ordinal
   int page_size = 16;      //!< KV slots per page
   int num_pages = 0;       //!< pages in the pool; 0 = enough for `max_requests` full contexts
@@ -132,19 +128,12 @@ static_assert(medusa::batch_decoder_model<cuda_engine>);
 static_assert(medusa::kv_committing_model<cuda_engine>);
 static_assert(medusa::kv_reserving_model<cuda_engine>);
 
-//! Why a request of a `cuda_decoder::generate` ended.
-enum class cuda_stop {
-  length,      //!< max_new_tokens reached
-  eos,         //!< the EOS token (not emitted)
-  stop_token,  //!< the stop token (emitted)
-  context,     //!< no slot of the context left (the token chosen at the last slot is emitted)
-  failed,      //!< the device reported bad data (the result's `error` says what)
-};
-
 //! One request's output.
 struct cuda_request_result {
   std::vector<std::int32_t> tokens;  //!< generated tokens
-  cuda_stop stop = cuda_stop::length;
+  //! `max_tokens`, `eos` (not emitted), `callback` (the stop token, emitted), `context_full` (no
+  //! slot left: the token chosen at the last slot is emitted) or `failed` (`error` says why)
+  medusa::stop_reason stop = medusa::stop_reason::max_tokens;
   int steps = 0;      //!< steps the request took part in
   std::string error;  //!< with `failed`: the request, the step and the status
 };
@@ -153,6 +142,7 @@ struct cuda_request_result {
 struct cuda_decode_stats {
   int steps = 0;                    //!< graph replays
   std::vector<long long> accepted;  //!< Medusa: tree steps of requests by accepted drafts (0..depth)
+  std::vector<long long> by_size;   //!< request steps by tree size, largest first, the plain step last
   double prefill_seconds = 0;       //!< the prompts' forward
   double decode_seconds = 0;        //!< capture, steps and downloads
   double step_seconds = 0;          //!< the steps alone: graph replays and their downloads

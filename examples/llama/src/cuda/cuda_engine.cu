@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The GPU engine and decoder on a CUDA device: the executor-generic engine (engine_state.hpp) and
-// device step (device_decoder.hpp) over device_executor.cuh, for the three precisions.
+// the library's device step (device_decoder.hpp) over device_executor.cuh, for the three precisions.
 #include <medusa_llama/cuda_engine.hpp>
 
 #include "device_decoder.hpp"
@@ -23,7 +23,7 @@ using cuda_detail::device_executor;
 // What the public classes need of an engine or decoder of one precision.
 struct decoder_iface {
   virtual ~decoder_iface() = default;
-  virtual std::vector<cuda_detail::device_request_result> generate(std::span<const std::vector<std::int32_t>> prompts,
+  virtual std::vector<medusa::cuda::device_request_result> generate(std::span<const std::vector<std::int32_t>> prompts,
                                                                    int max_new_tokens, int eos, int stop) = 0;
   virtual const cuda_detail::device_decode_stats& stats() const = 0;
 };
@@ -44,7 +44,7 @@ struct decoder_impl final : decoder_iface {
   cuda_detail::device_decoder<device_executor, T> d;
   decoder_impl(cuda_detail::engine_state<device_executor, T>& e, const medusa::tree* tree, const medusa::head_stack<>* heads)
       : d(e, tree, heads) {}
-  std::vector<cuda_detail::device_request_result> generate(std::span<const std::vector<std::int32_t>> prompts,
+  std::vector<medusa::cuda::device_request_result> generate(std::span<const std::vector<std::int32_t>> prompts,
                                                            int max_new_tokens, int eos, int stop) override {
     return d.generate(prompts, max_new_tokens, eos, stop);
   }
@@ -78,18 +78,10 @@ decltype(auto) on_device(F&& f) {
     return f();
   } catch (const medusa::cuda::cuda_error& e) {
     throw engine_error(engine_errc::device_failure, e.what());
+  } catch (const medusa::cuda::cublas_error& e) {
+    throw engine_error(engine_errc::device_failure, e.what());
   } catch (const medusa::cuda::launch_error& e) {
     throw engine_error(engine_errc::device_failure, e.what());
-  }
-}
-
-cuda_stop stop_of(cuda_detail::device_stop s) {
-  switch (s) {
-    case cuda_detail::device_stop::eos: return cuda_stop::eos;
-    case cuda_detail::device_stop::stop_token: return cuda_stop::stop_token;
-    case cuda_detail::device_stop::context: return cuda_stop::context;
-    case cuda_detail::device_stop::failed: return cuda_stop::failed;
-    default: return cuda_stop::length;
   }
 }
 
@@ -137,9 +129,9 @@ cuda_engine::cuda_engine(const model_config& c, const model* m, cuda_engine_opti
   };
   on_device([&] {
     switch (o.precision) {
-      case cuda_precision::f32: p->e = make(float{}); break;
-      case cuda_precision::f16: p->e = make(medusa::half{}); break;
-      case cuda_precision::bf16: p->e = make(medusa::bfloat16{}); break;
+      case medusa::dtype::f32: p->e = make(float{}); break;
+      case medusa::dtype::f16: p->e = make(medusa::half{}); break;
+      case medusa::dtype::bf16: p->e = make(medusa::bfloat16{}); break;
     }
     p->ex->sync();
   });
@@ -213,11 +205,12 @@ std::vector<cuda_request_result> cuda_decoder::generate(std::span<const std::vec
                                                         int max_new_tokens, int eos_token, int stop_token) {
   auto r = on_device([&] { return p_->d->generate(prompts, max_new_tokens, eos_token, stop_token); });
   const cuda_detail::device_decode_stats& s = p_->d->stats();
-  p_->stats = {.steps = s.steps, .accepted = s.accepted, .prefill_seconds = s.prefill_seconds,
-               .decode_seconds = s.decode_seconds, .step_seconds = s.step_seconds};
+  p_->stats = {.steps = s.step.steps, .accepted = s.step.accepted, .by_size = s.step.by_size,
+               .prefill_seconds = s.prefill_seconds, .decode_seconds = s.decode_seconds,
+               .step_seconds = s.step.step_seconds};
   std::vector<cuda_request_result> out;
   out.reserve(r.size());
-  for (auto& x : r) out.push_back({std::move(x.tokens), stop_of(x.stop), x.steps, std::move(x.error)});
+  for (auto& x : r) out.push_back({std::move(x.tokens), x.stop, x.steps, std::move(x.error)});
   return out;
 }
 

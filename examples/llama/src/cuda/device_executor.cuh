@@ -1,9 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Private: the executor of forward.hpp, engine_state.hpp and device_decoder.hpp on a CUDA device:
-// device memory, one stream, the kernel bodies of kernels.hpp as `__global__` functions, GEMMs
-// through cuBLASLt, the library's attention, step, commit and heads launchers, and CUDA graphs.
-// Nothing here allocates or synchronises once a step is captured: plans and workspaces are made
-// by the `make_*` calls beforehand.
+// the library's stream executor (device memory, one stream, kernel bodies as `__global__`
+// functions, the step's kernels and heads, CUDA graphs) plus the forward's GEMMs through cuBLASLt
+// and the library's attention. Nothing here allocates or synchronises once a step is captured.
 //
 // GEMMs: with `batch_invariant` (the default) every weight shape gets one cuBLASLt algorithm,
 // chosen once for the engine's largest pass, without split-K, and used for every pass size: a
@@ -15,13 +14,7 @@
 
 #include <medusa/cuda/attention.cuh>
 #include <medusa/cuda/common.cuh>
-#include <medusa/cuda/heads.cuh>
-#include <medusa/cuda/kernel_context.hpp>
-#include <medusa/cuda/kv_commit.cuh>
-#include <medusa/cuda/step.cuh>
-#include <medusa/cuda/step_instances.cuh>
-#include <medusa/heads.hpp>
-#include <medusa/tree.hpp>
+#include <medusa/cuda/stream_executor.cuh>
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -40,12 +33,6 @@
 
 namespace medusa_llama::cuda_detail {
 
-template <class Body>
-__global__ void __launch_bounds__(Body::max_threads) body_kernel(const Body body) {
-  medusa::cuda::device_context ctx;
-  body(ctx);
-}
-
 [[noreturn]] inline void device_fail(const std::string& what, cudaError_t e) {
   throw engine_error(engine_errc::device_failure, what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
@@ -63,62 +50,27 @@ inline constexpr cudaDataType_t data_type_of = std::is_same_v<T, float>         
                                                : std::is_same_v<T, medusa::half> ? CUDA_R_16F
                                                                                  : CUDA_R_16BF;
 
-class device_executor {
+class device_executor : public medusa::cuda::stream_executor {
  public:
   // Sets `device` current, and creates the stream, the cuBLAS handles and their workspace.
   // `max_rows`: the most rows a GEMM will have (the pinned algorithms are chosen for it).
-  device_executor(int device, int max_rows, bool batch_invariant) : max_rows_(max_rows), invariant_(batch_invariant) {
-    check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  device_executor(int device, int max_rows, bool batch_invariant)
+      : stream_executor(device), max_rows_(max_rows), invariant_(batch_invariant) {
     check_blas(cublasLtCreate(&lt_), "cublasLtCreate");
-    check_blas(cublasCreate(&blas_), "cublasCreate");
-    check_blas(cublasSetStream(blas_, stream_), "cublasSetStream");
     check_cuda(cudaMalloc(&lt_ws_, lt_ws_bytes), "cudaMalloc (cuBLASLt workspace)");
     check_cuda(cudaMalloc(&blas_ws_, blas_ws_bytes), "cudaMalloc (cuBLAS workspace)");
-    check_blas(cublasSetWorkspace(blas_, blas_ws_, blas_ws_bytes), "cublasSetWorkspace");
-    cudaDeviceProp prop{};
-    check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
-    name_ = prop.name;
-    sms_ = prop.multiProcessorCount;
+    check_blas(cublasSetWorkspace(cublas(), blas_ws_, blas_ws_bytes), "cublasSetWorkspace");
   }
   device_executor(const device_executor&) = delete;
   device_executor& operator=(const device_executor&) = delete;
   ~device_executor() {
     for (auto& [key, g] : gemms_) g.destroy();
-    if (blas_ != nullptr) (void)cublasDestroy(blas_);
     if (lt_ != nullptr) (void)cublasLtDestroy(lt_);
     if (lt_ws_ != nullptr) (void)cudaFree(lt_ws_);
     if (blas_ws_ != nullptr) (void)cudaFree(blas_ws_);
-    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   }
 
-  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
-  [[nodiscard]] const std::string& device_name() const noexcept { return name_; }
   [[nodiscard]] bool batch_invariant() const noexcept { return invariant_; }
-
-  // --- memory -----------------------------------------------------------------------------------
-  void* alloc(std::size_t bytes) {
-    void* p = nullptr;
-    check_cuda(cudaMalloc(&p, bytes), ("cudaMalloc of " + std::to_string(bytes) + " bytes").c_str());
-    return p;
-  }
-  void release(void* p) noexcept { (void)cudaFree(p); }
-  void upload(void* dst, const void* src, std::size_t bytes) {
-    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "upload");
-  }
-  void download(void* dst, const void* src, std::size_t bytes) {
-    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "download");
-  }
-  void fill_zero(void* dst, std::size_t bytes) { check_cuda(cudaMemsetAsync(dst, 0, bytes, stream_), "cudaMemset"); }
-  void sync() { check_cuda(cudaStreamSynchronize(stream_), "the stream"); }
-
-  // --- kernels ----------------------------------------------------------------------------------
-  template <class Body>
-  void launch(const medusa::cuda::launch_shape& s, const Body& body) {
-    body_kernel<Body><<<dim3(static_cast<unsigned>(s.grid_x), static_cast<unsigned>(s.grid_y)),
-                        static_cast<unsigned>(s.threads), s.shared_bytes, stream_>>>(body);
-    check_cuda(cudaGetLastError(), "kernel launch");
-  }
 
   // Y[rows][n_out] (+)= X[rows][k] · W[n_out][k]ᵀ, T inputs, float output, float accumulation.
   template <class T>
@@ -127,147 +79,19 @@ class device_executor {
     gemm_shape& g = shape_of<T>(n_out, k);
     const layouts& l = g.layouts_for(rows);
     const cublasLtMatmulAlgo_t* algo = invariant_ ? &g.pinned : &l.algo;
-    check_blas(cublasLtMatmul(lt_, g.desc, &alpha, w, g.a, x, l.b, &beta, y, l.c, y, l.c, algo, lt_ws_, lt_ws_bytes, stream_),
+    check_blas(cublasLtMatmul(lt_, g.desc, &alpha, w, g.a, x, l.b, &beta, y, l.c, y, l.c, algo, lt_ws_, lt_ws_bytes, stream()),
                "cublasLtMatmul");
   }
 
   template <class KV, class O>
   void attention(const medusa::cuda::kernels::attention_plan& plan, const medusa::cuda::kernels::attention_params<KV, O>& a,
                  void* workspace, std::size_t bytes) {
-    check_cuda(medusa::cuda::run(plan, a, workspace, bytes, stream_), "attention");
-  }
-
-  void kv_commit(const medusa::cuda::kernels::kv_commit_params& params) {
-    const auto plan = medusa::cuda::kernels::plan_kv_commit(params);
-    check_cuda(medusa::cuda::run(plan, params, stream_), "kv commit");
-  }
-
-  // --- the Medusa step's library kernels -------------------------------------------------------
-  using step_kernels = medusa::cuda::step_kernels<medusa::cuda::runtime_tree, float>;
-  struct step_op {
-    step_kernels::plan_type plan;
-    std::shared_ptr<void> tree_ints, workspace;
-    medusa::cuda::tree_arrays tree;
-  };
-  step_op make_step_op(const medusa::tree& t, int heads, int batch, int vocab) {
-    step_op op;
-    op.plan = step_kernels::plan(batch, heads, vocab, medusa::cuda::kernels::verify_kind::greedy, t,
-                                 0.0f, 0, 1.0f, 4 * sms_);
-    const std::vector<int> packed = medusa::cuda::pack_tree(t);
-    op.tree_ints = owned(packed.size() * sizeof(int));
-    upload(op.tree_ints.get(), packed.data(), packed.size() * sizeof(int));
-    op.workspace = owned(std::max<std::size_t>(op.plan.workspace_bytes, 1));
-    op.tree = medusa::cuda::tree_arrays::over(t, static_cast<const int*>(op.tree_ints.get()));
-    sync();
-    return op;
-  }
-  void candidates(step_op& op, const float* head_logits, const std::int32_t* roots, const std::int32_t* lengths,
-                  std::int32_t* node_tokens, std::int32_t* positions, std::int32_t* status) {
-    check_cuda(step_kernels::candidates(op.plan, op.tree, head_logits, op.plan.vocab, roots,
-                                        lengths, node_tokens, positions, status, op.workspace.get(),
-                                        op.plan.workspace_bytes, stream_),
-               "candidates");
-  }
-  void verify(step_op& op, const medusa::cuda::kernels::verify_args<float>& a) {
-    check_cuda(step_kernels::verify(op.plan, op.tree, a, op.workspace.get(),
-                                    op.plan.workspace_bytes, stream_),
-               "verify");
-  }
-
-  struct argmax_op {
-    medusa::cuda::kernels::top_k_plan plan;
-    std::shared_ptr<void> workspace;
-  };
-  argmax_op make_argmax_op(int rows, int vocab) {
-    argmax_op op;
-    op.plan = medusa::cuda::kernels::plan_top_k(rows, vocab, 1, 4 * sms_);
-    op.workspace = owned(std::max<std::size_t>(op.plan.workspace_bytes, 1));
-    return op;
-  }
-  void argmax(argmax_op& op, const float* logits, std::int32_t* ids, std::int32_t* status) {
-    medusa::cuda::kernels::top_k_args<float> a;
-    a.logits = logits;
-    a.row_stride = op.plan.vocab;
-    a.out_ids = ids;
-    a.status = status;
-    a.rows_per_status = 1;
-    check_cuda(medusa::cuda::run_top_k(op.plan, a, op.workspace.get(), op.plan.workspace_bytes, stream_), "argmax");
-  }
-
-  template <class T>
-  struct heads_op {
-    std::shared_ptr<medusa::cuda::device_heads<T>> heads;
-    medusa::cuda::device_heads_plan plan;
-    std::shared_ptr<void> workspace;
-  };
-  template <class T>
-  heads_op<T> make_heads_op(const medusa::head_stack<>& stack, int rows) {
-    heads_op<T> op;
-    try {
-      op.heads = std::make_shared<medusa::cuda::device_heads<T>>(stack);
-      op.plan = op.heads->plan(static_cast<std::size_t>(rows));
-    } catch (const medusa::cuda::cuda_error& e) {
-      throw engine_error(engine_errc::device_failure, e.what());
-    }
-    op.workspace = owned(std::max<std::size_t>(op.plan.workspace_bytes, 1));
-    return op;
-  }
-  template <class T>
-  void heads(heads_op<T>& op, const T* hidden, float* logits) {
-    const medusa::cuda::blas_status s =
-        op.heads->run(op.plan, hidden, logits, op.workspace.get(), op.plan.workspace_bytes, blas_, stream_);
-    check_cuda(s.cuda, "heads");
-    check_blas(s.cublas, "heads");
-  }
-
-  // --- graphs -------------------------------------------------------------------------------------
-  struct graph {
-    std::shared_ptr<CUgraphExec_st> exec;
-  };
-  template <class F>
-  graph capture(F&& f) {
-    check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-    try {
-      f();
-    } catch (...) {
-      cudaGraph_t broken = nullptr;
-      (void)cudaStreamEndCapture(stream_, &broken);
-      if (broken != nullptr) (void)cudaGraphDestroy(broken);
-      throw;
-    }
-    cudaGraph_t g = nullptr;
-    check_cuda(cudaStreamEndCapture(stream_, &g), "cudaStreamEndCapture");
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
-    (void)cudaGraphDestroy(g);
-    check_cuda(e, "cudaGraphInstantiate");
-    return {std::shared_ptr<CUgraphExec_st>(exec, [](cudaGraphExec_t x) { (void)cudaGraphExecDestroy(x); })};
-  }
-  void replay(const graph& g) { check_cuda(cudaGraphLaunch(g.exec.get(), stream_), "cudaGraphLaunch"); }
-  // Mean seconds of `n` back-to-back replays of `g`, by CUDA events on the stream.
-  double time_replays(const graph& g, int n) {
-    cudaEvent_t start = nullptr, stop = nullptr;
-    check_cuda(cudaEventCreate(&start), "cudaEventCreate");
-    check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
-    cudaError_t e = cudaEventRecord(start, stream_);
-    for (int i = 0; i < n && e == cudaSuccess; ++i) e = cudaGraphLaunch(g.exec.get(), stream_);
-    if (e == cudaSuccess) e = cudaEventRecord(stop, stream_);
-    if (e == cudaSuccess) e = cudaEventSynchronize(stop);
-    float ms = 0.0f;
-    if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, start, stop);
-    (void)cudaEventDestroy(start);
-    (void)cudaEventDestroy(stop);
-    check_cuda(e, "timing replays");
-    return static_cast<double>(ms) * 1e-3 / n;
+    check_cuda(medusa::cuda::run(plan, a, workspace, bytes, stream()), "attention");
   }
 
  private:
   static constexpr std::size_t lt_ws_bytes = std::size_t{32} << 20;
   static constexpr std::size_t blas_ws_bytes = std::size_t{32} << 20;
-
-  std::shared_ptr<void> owned(std::size_t bytes) {
-    return std::shared_ptr<void>(alloc(bytes), [](void* p) { (void)cudaFree(p); });
-  }
 
   // One weight shape's cuBLASLt objects: the operation and W's layout, X/Y layouts per row count,
   // and the pinned algorithm.
@@ -373,13 +197,9 @@ class device_executor {
 
   int max_rows_;
   bool invariant_;
-  cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
-  cublasHandle_t blas_ = nullptr;
   void* lt_ws_ = nullptr;
   void* blas_ws_ = nullptr;
-  std::string name_;
-  int sms_ = 132;
   std::map<std::tuple<int, int, int>, gemm_shape> gemms_;
 };
 

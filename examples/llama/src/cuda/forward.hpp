@@ -17,6 +17,7 @@
 #include <medusa_llama/model.hpp>
 
 #include <medusa/cuda/kernels/attention.hpp>
+#include <medusa/cuda/executor.hpp>
 #include <medusa/cuda/kernels/batch_kv.hpp>
 #include <medusa/cuda/launch.hpp>
 #include <medusa/half.hpp>
@@ -46,37 +47,7 @@ T to_element(float x) {
 
 // Executor memory that frees itself (the executor outlives it).
 template <class Exec>
-class buffer {
- public:
-  buffer() = default;
-  buffer(Exec& ex, std::size_t bytes) : ex_(&ex), p_(bytes == 0 ? nullptr : ex.alloc(bytes)), bytes_(bytes) {}
-  buffer(const buffer&) = delete;
-  buffer& operator=(const buffer&) = delete;
-  buffer(buffer&& o) noexcept : ex_(o.ex_), p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; }
-  buffer& operator=(buffer&& o) noexcept {
-    if (this != &o) {
-      reset();
-      ex_ = o.ex_;
-      p_ = o.p_;
-      bytes_ = o.bytes_;
-      o.p_ = nullptr;
-    }
-    return *this;
-  }
-  ~buffer() { reset(); }
-  template <class U>
-  [[nodiscard]] U* as() const noexcept { return static_cast<U*>(p_); }
-  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
-
- private:
-  void reset() noexcept {
-    if (p_ != nullptr) ex_->release(p_);
-    p_ = nullptr;
-  }
-  Exec* ex_ = nullptr;
-  void* p_ = nullptr;
-  std::size_t bytes_ = 0;
-};
+using buffer = medusa::cuda::executor_buffer<Exec>;
 
 // Uploads `n` floats converted to T; returns the executor buffer.
 template <class T, class Exec>

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Private: the GPU engine's own kernel bodies, around the GEMMs and the library's attention and
-// step kernels: embedding, RMSNorm, RoPE with the K/V writes, SwiGLU, and the bookkeeping of a
-// device-side Medusa step. Each is a functor over the execution context of
-// <medusa/cuda/kernel_context.hpp>, so one source runs on the device (device_executor.cuh) and in
-// the host emulation (host_executor.hpp, the CI tests). Residual adds are the GEMMs' beta = 1.
+// step kernels: embedding, RMSNorm, RoPE with the K/V writes and SwiGLU. Each is a functor over
+// the execution context of <medusa/cuda/kernel_context.hpp>, so one source runs on the device
+// (device_executor.cuh) and in the host emulation (host_executor.hpp, the CI tests). Residual adds
+// are the GEMMs' beta = 1.
 #pragma once
 
 #include <medusa/cuda/kernel_context.hpp>
@@ -204,59 +204,6 @@ struct swiglu_body {
     const float* u = g + hidden;
     T* o = out + static_cast<std::size_t>(t) * static_cast<std::size_t>(hidden);
     for (int i = ctx.thread(); i < hidden; i += ctx.threads()) o[i] = mc::store_float<T>(medusa::silu(g[i]) * u[i]);
-  }
-};
-
-// The bookkeeping of a device-side Medusa step, one thread per request: advance the length to
-// the commit's (active requests only: a finished request keeps its slots while the batch goes
-// on), and pick the hidden state of the node the next step continues from, in the heads' type.
-// The host reads the committed tokens from verify's outputs.
-template <class T>
-struct step_bookkeeping_body {
-  static constexpr int max_threads = 128;
-  int batch = 0;
-  int nodes = 0;  // tree nodes per request (rows of the pass)
-  int dim = 0;
-  const std::int32_t* next_node = nullptr;    // verify's
-  const std::int32_t* new_lengths = nullptr;  // the commit's
-  const std::int32_t* active = nullptr;       // [B] 0 once the host finished the request
-  std::int32_t* lengths = nullptr;            // [B] committed slots
-  const float* hidden = nullptr;              // [B·nodes][dim] final-normed states of the pass
-  T* head_input = nullptr;                    // [B][dim]
-
-  template <class Ctx>
-  MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
-    for (int b = ctx.block_x() * ctx.threads() + ctx.thread(); b < batch; b += ctx.grid_x() * ctx.threads()) {
-      if (active[b] == 0 || new_lengths[b] < 0) continue;
-      lengths[b] = new_lengths[b];
-      const int node = next_node[b] < 0 ? 0 : next_node[b];
-      const float* h = hidden + (static_cast<std::size_t>(b) * static_cast<std::size_t>(nodes) + static_cast<std::size_t>(node)) *
-                                    static_cast<std::size_t>(dim);
-      T* dst = head_input + static_cast<std::size_t>(b) * static_cast<std::size_t>(dim);
-      for (int c = 0; c < dim; ++c) dst[c] = mc::store_float<T>(h[c]);
-    }
-  }
-};
-
-// The bookkeeping of a plain (one token per request) device step: the input token's K/V is now
-// committed, the chosen token is the next input, at the next position. One thread per request.
-struct plain_bookkeeping_body {
-  static constexpr int max_threads = 128;
-  int batch = 0;
-  const std::int32_t* chosen = nullptr;  // [B] argmax ids (top-k with k = 1)
-  const std::int32_t* active = nullptr;  // [B]
-  std::int32_t* lengths = nullptr;       // [B]
-  std::int32_t* tokens = nullptr;        // [B] next input
-  std::int32_t* positions = nullptr;     // [B]
-
-  template <class Ctx>
-  MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
-    for (int b = ctx.block_x() * ctx.threads() + ctx.thread(); b < batch; b += ctx.grid_x() * ctx.threads()) {
-      if (active[b] == 0) continue;
-      lengths[b] += 1;
-      tokens[b] = chosen[b];
-      positions[b] = lengths[b];
-    }
   }
 };
 

@@ -19,7 +19,7 @@ namespace medusa_llama::cuda_detail {
 // model the kernels do not take.
 inline cuda_engine_options resolve_options(const model_config& c, cuda_engine_options o) {
   auto bad = [](const std::string& msg) { throw engine_error(engine_errc::bad_option, msg); };
-  if (o.precision != cuda_precision::f32 && o.precision != cuda_precision::f16 && o.precision != cuda_precision::bf16)
+  if (o.precision != medusa::dtype::f32 && o.precision != medusa::dtype::f16 && o.precision != medusa::dtype::bf16)
     bad("unknown precision " + std::to_string(static_cast<int>(o.precision)));
   if (o.device < 0) bad("device " + std::to_string(o.device) + " is negative");
   if (o.page_size < 1 || o.page_size > 4096) bad("page_size " + std::to_string(o.page_size) + " is outside [1, 4096]");
@@ -41,12 +41,12 @@ inline cuda_engine_options resolve_options(const model_config& c, cuda_engine_op
 }
 
 // Bytes of weights one forward streams in `p`: every block matrix and the classifier.
-inline std::size_t streamed_weight_bytes(const model_config& c, cuda_precision p) {
+inline std::size_t streamed_weight_bytes(const model_config& c, medusa::dtype p) {
   const std::size_t d = static_cast<std::size_t>(c.dim), kvd = static_cast<std::size_t>(c.kv_dim()),
                     H = static_cast<std::size_t>(c.hidden_dim), V = static_cast<std::size_t>(c.vocab_size);
   const std::size_t per_layer = d * (d + 2 * kvd) + d * d + 3 * H * d;
   const std::size_t elements = per_layer * static_cast<std::size_t>(c.n_layers) + V * d;
-  return elements * (p == cuda_precision::f32 ? 4 : 2);
+  return elements * (p == medusa::dtype::f32 ? 4 : 2);
 }
 
 }  // namespace medusa_llama::cuda_detail
