@@ -225,9 +225,9 @@ class forward_core {
     namespace mk = medusa::cuda::kernels;
     namespace mc = medusa::cuda;
     const int n = p.tokens, d = c_.dim, H = c_.hidden_dim, D = c_.head_dim();
-    const mc::launch_shape rows{.grid_x = n, .grid_y = 1, .threads = row_threads, .shared_bytes = 0};
-    const mc::launch_shape norm_rows{.grid_x = n, .grid_y = 1, .threads = row_threads, .shared_bytes = 32 * sizeof(float)};
-    ex_.launch(rows, embed_body<T>{w_.embedding.template as<const T>(), p.token_ids, x_.template as<float>(), d,
+    const mc::launch_shape norm_rows = row_shape(n, d);
+    const mc::launch_shape rope_rows = row_shape(n, (c_.n_heads + c_.n_kv_heads) * D / 2);
+    ex_.launch(elementwise_shape(n, d), embed_body<T>{w_.embedding.template as<const T>(), p.token_ids, x_.template as<float>(), d,
                                     c_.vocab_size});
     const mk::attention_plan plan = mk::plan_attention(problem(p.batch, n, p.max_tokens_per_request, p.mask));
     for (int l = 0; l < c_.n_layers; ++l) {
@@ -251,7 +251,7 @@ class forward_core {
       rope.split_halves = c_.rope == rope_style::split_halves;
       rope.kv = kv;
       rope.layer = l;
-      ex_.launch(rows, rope);
+      ex_.launch(rope_rows, rope);
       mk::attention_params<T, T> a;
       a.q = qkv_.template as<const float>();
       a.q_row_stride = qkv_cols_;
@@ -270,13 +270,11 @@ class forward_core {
       ex_.launch(norm_rows, rmsnorm_body<T>{x_.template as<const float>(), w.rms_ffn.template as<const float>(), nullptr,
                                              xb_.template as<T>(), nullptr, d, c_.rms_eps});
       ex_.gemm(w.w13.template as<const T>(), xb_.template as<const T>(), gu_.template as<float>(), 2 * H, n, d, false);
-      ex_.launch(rows, swiglu_body<T>{gu_.template as<const float>(), h_.template as<T>(), H});
+      ex_.launch(elementwise_shape(n, H), swiglu_body<T>{gu_.template as<const float>(), h_.template as<T>(), H});
       ex_.gemm(w.w2.template as<const T>(), h_.template as<const T>(), x_.template as<float>(), d, n, H, true);
     }
     if (p.out_rows == 0 || (p.logits == nullptr && p.hidden == nullptr)) return;
-    const mc::launch_shape out_rows{.grid_x = p.out_rows, .grid_y = 1, .threads = row_threads,
-                                    .shared_bytes = 32 * sizeof(float)};
-    ex_.launch(out_rows, rmsnorm_body<T>{x_.template as<const float>(), w_.rms_final.template as<const float>(),
+    ex_.launch(row_shape(p.out_rows, d), rmsnorm_body<T>{x_.template as<const float>(), w_.rms_final.template as<const float>(),
                                           p.out_row_index, xb_.template as<T>(), p.hidden, d, c_.rms_eps});
     if (p.logits != nullptr)
       ex_.gemm(w_.classifier_weights(), xb_.template as<const T>(), p.logits, c_.vocab_size, p.out_rows, d, false);

@@ -22,7 +22,29 @@ namespace medusa_llama::cuda_detail {
 namespace mc = medusa::cuda;
 namespace mk = medusa::cuda::kernels;
 
-inline constexpr int row_threads = 128;  // threads of the per-row kernels
+// Launch shapes of the element-wise work, so that a decode pass of one row still spreads over the
+// GPU: row reductions (RMSNorm) and per-token work (RoPE + K/V write) take a block of up to 1024
+// threads, each about four elements; purely element-wise work (embedding, SwiGLU) takes blocks of
+// `elementwise_threads` over a row's columns (block x) and its rows (block y). A shape depends on
+// the model's sizes only, never on the number of rows, so a row's result does not depend on the
+// pass it is in.
+inline constexpr int row_threads = 1024;       // most threads of a per-row block
+inline constexpr int elementwise_threads = 256;
+
+// Threads of a block that walks `work` items of one row: about four each, a multiple of 32.
+constexpr int threads_for(int work) noexcept {
+  const int t = ((work + 3) / 4 + 31) / 32 * 32;
+  return t < 32 ? 32 : t > row_threads ? row_threads : t;
+}
+// One block per row, `threads_for(work)` threads, and the 32 floats of `block_sum`'s scratch.
+constexpr mc::launch_shape row_shape(int rows, int work) noexcept {
+  return {.grid_x = rows, .grid_y = 1, .threads = threads_for(work), .shared_bytes = 32 * sizeof(float)};
+}
+// Blocks of `elementwise_threads` over `cols` columns (x) of `rows` rows (y).
+constexpr mc::launch_shape elementwise_shape(int rows, int cols) noexcept {
+  return {.grid_x = (cols + elementwise_threads - 1) / elementwise_threads, .grid_y = rows, .threads = elementwise_threads,
+          .shared_bytes = 0};
+}
 inline constexpr float nan_value = std::numeric_limits<float>::quiet_NaN();  // a value device code may read
 
 // Block-wide sum of one float per thread (the block a multiple of 32 threads, at most 1024);
@@ -77,11 +99,11 @@ struct fill_body {
   }
 };
 
-// x[t] = embedding[tokens[t]] as float, one block per token. A token outside the vocabulary gives
-// a NaN row, which the verify and top-k kernels then report as the request's status.
+// x[t] = embedding[tokens[t]] as float over `elementwise_shape(T, dim)`. A token outside the
+// vocabulary gives a NaN row, which the verify and top-k kernels then report as the request's status.
 template <class T>
 struct embed_body {
-  static constexpr int max_threads = row_threads;
+  static constexpr int max_threads = elementwise_threads;
   const T* embedding = nullptr;  // [vocab][dim]
   const std::int32_t* tokens = nullptr;
   float* x = nullptr;  // [T][dim]
@@ -89,21 +111,23 @@ struct embed_body {
 
   template <class Ctx>
   MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
-    const int t = ctx.block_x();
+    const int t = ctx.block_y();
+    const int c = ctx.block_x() * ctx.threads() + ctx.thread();
+    if (c >= dim) return;
     const std::int32_t token = tokens[t];
     float* dst = x + static_cast<std::size_t>(t) * static_cast<std::size_t>(dim);
     if (token < 0 || token >= vocab) {
-      for (int c = ctx.thread(); c < dim; c += ctx.threads()) dst[c] = nan_value;
+      dst[c] = nan_value;
       return;
     }
-    const T* src = embedding + static_cast<std::size_t>(token) * static_cast<std::size_t>(dim);
-    for (int c = ctx.thread(); c < dim; c += ctx.threads()) dst[c] = mc::load_float(src[c]);
+    dst[c] = mc::load_float(embedding[static_cast<std::size_t>(token) * static_cast<std::size_t>(dim) + static_cast<std::size_t>(c)]);
   }
 };
 
 // RMSNorm of rows: out = w ⊙ (x · 1/sqrt(mean(x²) + eps)), as the CPU engine computes it, to the
 // activation type T (GEMM input) and/or float (the hidden states the heads and the caller read).
-// Output row r reads input row `rows[r]` (or r when `rows` is null). One block per output row.
+// Output row r reads input row `rows[r]` (or r when `rows` is null). `row_shape(R, dim)`: one block
+// per output row.
 template <class T>
 struct rmsnorm_body {
   static constexpr int max_threads = row_threads;
@@ -136,7 +160,7 @@ struct rmsnorm_body {
 
 // RoPE at each token's position on the query and key heads of the fused QKV projection (in place,
 // float), then the token's K and V rows written to its cache slot `L_b + i` (request b, i-th new
-// token) in the cache's type. One block per token.
+// token) in the cache's type. `row_shape(T, (hq + hkv) · head_dim / 2)`: one block per token.
 template <class T>
 struct rope_kv_body {
   static constexpr int max_threads = row_threads;
@@ -189,21 +213,23 @@ struct rope_kv_body {
   }
 };
 
-// h = SiLU(gate) ⊙ up from the fused W1/W3 projection ([T][2·hidden]: gate, then up), to T.
+// h = SiLU(gate) ⊙ up from the fused W1/W3 projection ([T][2·hidden]: gate, then up), to T, over
+// `elementwise_shape(T, hidden)`.
 template <class T>
 struct swiglu_body {
-  static constexpr int max_threads = row_threads;
+  static constexpr int max_threads = elementwise_threads;
   const float* gate_up = nullptr;
   T* out = nullptr;  // [T][hidden]
   int hidden = 0;
 
   template <class Ctx>
   MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
-    const int t = ctx.block_x();
+    const int t = ctx.block_y();
+    const int i = ctx.block_x() * ctx.threads() + ctx.thread();
+    if (i >= hidden) return;
     const float* g = gate_up + static_cast<std::size_t>(t) * 2 * static_cast<std::size_t>(hidden);
-    const float* u = g + hidden;
-    T* o = out + static_cast<std::size_t>(t) * static_cast<std::size_t>(hidden);
-    for (int i = ctx.thread(); i < hidden; i += ctx.threads()) o[i] = mc::store_float<T>(medusa::silu(g[i]) * u[i]);
+    out[static_cast<std::size_t>(t) * static_cast<std::size_t>(hidden) + static_cast<std::size_t>(i)] =
+        mc::store_float<T>(medusa::silu(g[i]) * g[hidden + i]);
   }
 };
 
