@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # Compiles every public header alone. MODE=cxx: include/medusa/**/*.hpp with the C++ compiler.
 # MODE=cuda: include/medusa/cuda/**/*.cuh, and every core header with MEDUSA_HOST_DEVICE code,
-# with nvcc for sm_80 and sm_90 (exit 77 = skipped when nvcc is absent). Any failure prints the compiler output and fails the test.
+# with nvcc to compute_80 PTX (skipped when nvcc is absent). Self-containment does not depend on
+# the architecture (the headers test only whether __CUDA_ARCH__ is defined), and every header is
+# compiled to sm_80 and sm_90 code by the targets that use it. Any failure prints the compiler
+# output and fails the test.
 if(MODE STREQUAL "cuda" AND (NOT COMPILER OR NOT EXISTS "${COMPILER}"))
   message("nvcc not found: CUDA header checks skipped")
   return()  # skipped: the test matches the message (cmake_language(EXIT) needs CMake 3.29)
@@ -35,7 +38,7 @@ foreach(h IN LISTS headers)
     set(src "${WORK_DIR}/${id}.cu")
     file(WRITE "${src}" "#include <${h}>\n#include <${h}>\nint main() { return 0; }\n")
     set(cmd "${COMPILER}" -std=c++20 -ccbin "${HOST_COMPILER}" -Werror all-warnings
-        -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+        -gencode arch=compute_80,code=compute_80
         -I "${INCLUDE_DIR}" -c "${src}" -o "${WORK_DIR}/${id}.o")
   endif()
   execute_process(COMMAND ${cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
