@@ -205,7 +205,7 @@ class device_step {
     stats_.accepted.assign(medusa() ? sz(trees_.front().depth() + 1) : 1, 0);
     stats_.by_size.assign(trees_.size() + 1, 0);
     results_.assign(sz(B), {});
-    std::vector<int> length(start.lengths.begin(), start.lengths.end());
+    std::vector<std::int32_t> length(start.lengths.begin(), start.lengths.end());  // committed slots
     std::vector<std::int32_t> pending(start.first.begin(), start.first.end());  // chosen, not yet committed
 
     const auto t0 = clock::now();
@@ -217,13 +217,13 @@ class device_step {
     for (std::size_t j = 0; j < levels_.size(); ++j) record(j, B, forward);
     ex_.sync();
     upload_state(B, start, opt.eos_token);
-    for (std::size_t j = 0; j < levels_.size(); ++j) levels_[j].graph.emplace(ex_.capture([this, j, B, &forward] { record(j, B, forward); }));
+    for (std::size_t j = 0; j < levels_.size(); ++j)
+      levels_[j].graph.emplace(ex_.capture([this, j, B, &forward] { record(j, B, forward); }));
     stats_.capture_seconds = std::chrono::duration<double>(clock::now() - t0).count();
 
     const auto t1 = clock::now();
     std::vector<char> active(sz(B), 1);
     int live = B;
-    std::vector<int> level_of(sz(B));
     std::vector<std::int32_t> out_tokens, out_accept(sz(B)), out_bonus(sz(B)), out_status(sz(B));
     while (live > 0) {
       // Each live request takes the largest step that fits before the context's end. A plain step
@@ -256,9 +256,8 @@ class device_step {
         }
         if (j == plain) {
           // The plain step's inputs are each request's pending token at its next slot.
-          std::vector<std::int32_t> positions(length.begin(), length.end());
           ex_.upload(d_tokens_.template as<void>(), pending.data(), sz(B) * 4);
-          ex_.upload(d_positions_.template as<void>(), positions.data(), sz(B) * 4);
+          ex_.upload(d_positions_.template as<void>(), length.data(), sz(B) * 4);
         } else {
           // The roots: every verify writes the bonus of every request, members or not, so the
           // host's copy is the one to trust when sequences alternate.
