@@ -123,7 +123,25 @@ struct batch_fixture {
       words.insert(words.end(), w.begin(), w.end());
       if (r.parents.empty()) words.resize(words.size() + static_cast<std::size_t>((r.n - 1) * wpr), 0u);
     }
-    // FlashInfer stream: the tree (or causal) rows, prefix visible, unless the test edits bits.
+    build_custom();
+  }
+
+  // New committed lengths, as a replay over grown caches reads them: the run (`lengths`) and the
+  // references (`req`, the FlashInfer stream, rebuilt without any edited bits) alike.
+  void set_lengths(const std::vector<int>& L) {
+    REQUIRE(L.size() == req.size());
+    for (std::size_t b = 0; b < L.size(); ++b) {
+      REQUIRE(L[b] + req[b].n <= s.capacity);
+      req[b].L = L[b];
+      lengths[b] = L[b];
+    }
+    build_custom();
+  }
+
+  // FlashInfer stream: the tree (or causal) rows, prefix visible, unless the test edits bits.
+  void build_custom() {
+    custom.clear();
+    mask_indptr.clear();
     for (int b = 0; b < B; ++b) {
       const request& r = req[static_cast<std::size_t>(b)];
       mask_indptr.push_back(static_cast<std::int32_t>(custom.size()));

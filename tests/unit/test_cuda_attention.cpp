@@ -150,6 +150,38 @@ TEST_CASE("causal chunks (prefill) and single tokens (decoding) of a batch") {
   }
 }
 
+TEST_CASE("one plan and one set of arguments serve new lengths and queries, as a captured launch replays") {
+  // What a CUDA graph replays: the arguments and the workspace bound at capture, with the
+  // lengths and queries they point to rewritten between runs. Lengths past the first run's
+  // change each request's number of splits.
+  std::mt19937 rng(16);
+  shape s;
+  s.hq = 4;
+  s.hkv = 2;
+  s.dim = 64;
+  s.capacity = 256;
+  s.page_size = 16;
+  s.kv_split = 64;
+  batch_fixture<medusa::half> f(s, {{50, 7, {-1, 0, 0, 1, 1, 2, 3}}, {120, 7, {-1, 0, 1, 2, 3, 4, 5}}}, rng);
+  const mk::attention_plan plan = mk::plan_attention(f.problem());
+  std::vector<float> out(static_cast<std::size_t>(f.T * f.out_stride), 1e4f);
+  std::vector<float> ws((plan.workspace_bytes + sizeof(float) - 1) / sizeof(float), std::numeric_limits<float>::quiet_NaN());
+  auto a = f.params(f.host_arrays(), out.data());
+  REQUIRE(mk::bind_attention_workspace(plan, a, ws.data(), ws.size() * sizeof(float)));
+  for (int round = 0; round < 4; ++round) {
+    CAPTURE(round);
+    f.set_lengths({50 + 40 * round, 120 + 40 * round});
+    for (auto& x : f.q) x = std::uniform_real_distribution<float>(-2.0f, 2.0f)(rng);
+    mc::emulate(plan.main, [&](auto& ctx) { mk::attention_main(ctx, plan, a); });
+    mc::emulate(plan.merge, [&](auto& ctx) { mk::attention_merge(ctx, plan, a); });
+    for (int b = 0; b < 2; ++b) {
+      CAPTURE(b);
+      check_close(f.rows_of(out, b), f.cpu(b), tolerance<medusa::half, float>());
+      check_close(f.rows_of(out, b), f.naive(b), tolerance<medusa::half, float>());
+    }
+  }
+}
+
 TEST_CASE("FlashInfer custom masks: the tree's stream, and arbitrary bits including the prefix") {
   std::mt19937 rng(13);
   shape s;
