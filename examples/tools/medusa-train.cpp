@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Train Medusa heads on the CPU by self-distillation (Medusa-1: frozen backbone and lm_head)", "medusa-train"};
   medusa_train::run_options o;
   std::string cache_dtype = "bf16";
+  std::string heads_dtype = "f32";
   app.add_option("--model", o.model, "base model: llama2.c model.bin, a Hugging Face directory or a .gguf file")->required();
   app.add_option("--tokenizer", o.tokenizer, "tokenizer (default: a GGUF model's own, else tokenizer.json / tokenizer.bin beside the model)");
   app.add_option("--dummy-prefix", o.dummy_prefix,
@@ -82,6 +83,12 @@ int main(int argc, char** argv) {
   const std::map<std::string, medusa::dtype> cache_dtypes{{"bf16", medusa::dtype::bf16}, {"f32", medusa::dtype::f32}};
   app.add_option("--cache-dtype", cache_dtype, "hidden states on disk: bf16 or f32")
       ->check(CLI::IsMember(cache_dtypes))
+      ->capture_default_str();
+  const std::map<std::string, medusa::dtype> heads_dtypes{
+      {"f32", medusa::dtype::f32}, {"f16", medusa::dtype::f16}, {"bf16", medusa::dtype::bf16}};
+  app.add_option("--heads-dtype", heads_dtype,
+                 "element type of the written heads file: f32, f16 or bf16 (half the bytes; training is in f32 either way)")
+      ->check(CLI::IsMember(heads_dtypes))
       ->capture_default_str();
   app.add_option("--epochs", o.epochs, "passes over the training positions")->capture_default_str();
   app.add_option("--batch", o.batch, "positions per optimiser step")->capture_default_str();
@@ -119,6 +126,7 @@ int main(int argc, char** argv) {
   return medusa_tools::run_tool(app, argc, argv, [&] {
     if (o.prompts.empty() && o.corpus.empty()) throw medusa_tools::usage_error("give --prompts FILE or --corpus DIR");
     o.cache_dtype = cache_dtypes.at(cache_dtype);
+    o.heads_dtype = heads_dtypes.at(heads_dtype);
     o.what = recipe == "medusa2" ? medusa_train::recipe::medusa2 : medusa_train::recipe::medusa1;
     status_line st;
     medusa_train::run_events ev;

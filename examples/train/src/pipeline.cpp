@@ -559,6 +559,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
   }
   rep.eval_seconds = seconds_since(t_eval);
   medusa::head_save_options so;
+  so.dtype = o.heads_dtype;
   so.base_model_name_or_path = m2 ? rep.model_file.string() : o.model.string();
   rep.heads_file = o.out / medusa::save_heads(work, trainer.weights().view(), so).filename();
 

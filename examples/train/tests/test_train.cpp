@@ -365,6 +365,28 @@ TEST_CASE("whole run on a tiny model: cache reuse and misses, determinism, lossl
   CHECK(r2.distill.rows == 0);
   CHECK(slurp(dir / "out1" / "medusa_heads.safetensors") == slurp(dir / "out2" / "medusa_heads.safetensors"));
 
+  // --heads-dtype f16: the same training, the file holds its weights rounded to f16 in half the bytes.
+  {
+    auto o7 = o2;
+    o7.out = dir / "out7";
+    o7.heads_dtype = medusa::weight_dtype::f16;
+    CHECK(medusa_train::run_training(o7, {}).cache_hit);
+    CHECK(slurp(dir / "out7" / "medusa_heads.safetensors").size() * 10 <
+          slurp(dir / "out2" / "medusa_heads.safetensors").size() * 6);
+    auto f16 = medusa::load_heads(dir / "out7");
+    medusa::head_load_options to_f16;
+    to_f16.dtype = medusa::weight_dtype::f16;
+    auto rounded = medusa::load_heads(dir / "out2", to_f16);
+    REQUIRE(f16.heads.dtype() == medusa::weight_dtype::f16);
+    REQUIRE(rounded.heads.dtype() == medusa::weight_dtype::f16);
+    for (std::size_t h = 0; h < f16.heads.num_heads(); ++h) {
+      const auto a = f16.heads.projection_bytes(h), b = rounded.heads.projection_bytes(h);
+      CHECK(std::equal(a.begin(), a.end(), b.begin(), b.end()));
+      const auto wa = f16.heads.resblock_weight_bytes(h, 0), wb = rounded.heads.resblock_weight_bytes(h, 0);
+      CHECK(std::equal(wa.begin(), wa.end(), wb.begin(), wb.end()));
+    }
+  }
+
   // Regenerated data with the same seed is the same data: identical weights without the cache.
   auto o3 = o;
   o3.out = dir / "out3";

@@ -56,6 +56,7 @@ struct run_options {
   int draft = 12;                    //!< prompt-lookup drafting during generation (0 = off)
   float temperature = 0.0f;          //!< 0 = greedy continuations
   medusa::weight_dtype cache_dtype = medusa::weight_dtype::bf16;  //!< hidden states on disk
+  medusa::weight_dtype heads_dtype = medusa::weight_dtype::f32;   //!< the written heads file's elements
   double epochs = 2.0;               //!< passes over the training positions
   std::size_t batch = 256;           //!< positions per step
   optimizer_options opt;             //!< lr, AdamW, schedule, clipping
