@@ -405,6 +405,22 @@ float tolerance() {
   return 2e-5f;
 }
 
+// A launch replayed over a growing cache, as a captured CUDA graph is: two 7-node tree requests
+// over paged f16 caches, whose committed lengths grow each round (`replay_lengths`) past the
+// first round's key splits.
+inline constexpr int replay_rounds = 4;
+inline batch_fixture<medusa::half> replay_fixture(std::mt19937& rng) {
+  shape s;
+  s.hq = 4;
+  s.hkv = 2;
+  s.dim = 64;
+  s.capacity = 256;
+  s.page_size = 16;
+  s.kv_split = 64;
+  return batch_fixture<medusa::half>(s, {{50, 7, {-1, 0, 0, 1, 1, 2, 3}}, {120, 7, {-1, 0, 1, 2, 3, 4, 5}}}, rng);
+}
+inline std::vector<int> replay_lengths(int round) { return {50 + 40 * round, 120 + 40 * round}; }
+
 inline std::vector<request> random_batch(std::mt19937& rng, int B, int max_L, int max_n, bool tree) {
   std::vector<request> rs;
   for (int b = 0; b < B; ++b) {

@@ -136,14 +136,7 @@ TEST_CASE("on the device, a tree node has the same bits as its row decoded alone
 
 TEST_CASE("a captured attention launch replays over new lengths and queries") {
   std::mt19937 rng(24);
-  shape s;
-  s.hq = 4;
-  s.hkv = 2;
-  s.dim = 64;
-  s.capacity = 256;
-  s.page_size = 16;
-  s.kv_split = 64;
-  batch_fixture<medusa::half> f(s, {{50, 7, {-1, 0, 0, 1, 1, 2, 3}}, {120, 7, {-1, 0, 1, 2, 3, 4, 5}}}, rng);
+  auto f = replay_fixture(rng);
   const mk::attention_plan plan = mk::plan_attention(f.problem());
   device_copy<medusa::half> d(f);
   device_array<float> out(static_cast<std::size_t>(f.T * f.out_stride));
@@ -157,10 +150,10 @@ TEST_CASE("a captured attention launch replays over new lengths and queries") {
   mc::check(cudaStreamEndCapture(stream, &graph), "capture");
   cudaGraphExec_t exec = nullptr;
   mc::check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (int round = 0; round < 3; ++round) {
+  for (int round = 0; round < replay_rounds; ++round) {
     // the references read the new lengths too; lengths and queries are what a replay reads anew
     // (the custom stream is not used by tree masks)
-    f.set_lengths({50 + 40 * round, 120 + 30 * round});
+    f.set_lengths(replay_lengths(round));
     for (auto& x : f.q) x = std::uniform_real_distribution<float>(-2.0f, 2.0f)(rng);
     d.lengths.upload(f.lengths);
     d.q.upload(f.q);

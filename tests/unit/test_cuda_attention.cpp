@@ -155,22 +155,15 @@ TEST_CASE("one plan and one set of arguments serve new lengths and queries, as a
   // lengths and queries they point to rewritten between runs. Lengths past the first run's
   // change each request's number of splits.
   std::mt19937 rng(16);
-  shape s;
-  s.hq = 4;
-  s.hkv = 2;
-  s.dim = 64;
-  s.capacity = 256;
-  s.page_size = 16;
-  s.kv_split = 64;
-  batch_fixture<medusa::half> f(s, {{50, 7, {-1, 0, 0, 1, 1, 2, 3}}, {120, 7, {-1, 0, 1, 2, 3, 4, 5}}}, rng);
+  auto f = replay_fixture(rng);
   const mk::attention_plan plan = mk::plan_attention(f.problem());
   std::vector<float> out(static_cast<std::size_t>(f.T * f.out_stride), 1e4f);
   std::vector<float> ws((plan.workspace_bytes + sizeof(float) - 1) / sizeof(float), std::numeric_limits<float>::quiet_NaN());
   auto a = f.params(f.host_arrays(), out.data());
   REQUIRE(mk::bind_attention_workspace(plan, a, ws.data(), ws.size() * sizeof(float)));
-  for (int round = 0; round < 4; ++round) {
+  for (int round = 0; round < replay_rounds; ++round) {
     CAPTURE(round);
-    f.set_lengths({50 + 40 * round, 120 + 40 * round});
+    f.set_lengths(replay_lengths(round));
     for (auto& x : f.q) x = std::uniform_real_distribution<float>(-2.0f, 2.0f)(rng);
     mc::emulate(plan.main, [&](auto& ctx) { mk::attention_main(ctx, plan, a); });
     mc::emulate(plan.merge, [&](auto& ctx) { mk::attention_merge(ctx, plan, a); });
