@@ -126,6 +126,7 @@ struct fiber_block {
     int arrived = 0;
     std::uint64_t generation = 0;
     std::uint64_t slot[warp_size] = {};
+    std::uint32_t fragments[warp_size][6] = {};  // mma_m16n8k16's A and B registers, per lane
   };
 
   int threads = 0;
@@ -356,6 +357,33 @@ class host_context {
     return bits;
   }
   void* shared() const noexcept { return block_->shared.data(); }
+  template <class T>
+  void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) const {
+    static_assert(std::is_same_v<T, medusa::bfloat16> || std::is_same_v<T, medusa::half>,
+                  "mma_m16n8k16 multiplies bfloat16 or half");
+    // Every lane publishes its fragments, then computes its own four outputs from all of them.
+    detail::fiber_block::warp_sync& w = block_->warps[static_cast<std::size_t>(warp())];
+    std::uint32_t* mine = w.fragments[lane()];
+    for (int i = 0; i < 4; ++i) mine[i] = a[i];
+    mine[4] = b[0];
+    mine[5] = b[1];
+    block_->warp_barrier(w);
+    const auto element = [&](int src_lane, int reg, int k) {
+      const std::uint32_t bits = w.fragments[src_lane][reg] >> (16 * (k % 2)) & 0xffffu;
+      return static_cast<double>(load_float(T::from_bits(static_cast<std::uint16_t>(bits))));
+    };
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+      const int row = mma_fragment::d_row(lane(), i), col = mma_fragment::d_col(lane(), i);
+      double s = d[i];
+      for (int k = 0; k < 16; ++k)
+        s += element(mma_fragment::a_lane(row, k), mma_fragment::a_register(row, k), k) *
+             element(mma_fragment::b_lane(k, col), 4 + mma_fragment::b_register(k), k);
+      out[i] = static_cast<float>(s);
+    }
+    block_->warp_barrier(w);  // every lane has read: the fragments may be reused
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+  }
 
  private:
   detail::fiber_block* block_;

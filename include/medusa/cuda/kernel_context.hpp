@@ -17,11 +17,19 @@
 //! | `shfl(v, src)`            | `__shfl_sync(~0u, v, src)`    | broadcast from lane `src`        |
 //! | `ballot(p)`               | `__ballot_sync(~0u, p)`       | predicate bits of the warp       |
 //! | `shared()`                | `extern __shared__` storage   | the block's dynamic shared bytes |
+//! | `mma_m16n8k16<T>(d, a, b)`| `mma.sync...m16n8k16` (sm_80+)| warp tensor-core product, below  |
 //!
 //! Rules for bodies: blocks have a multiple of 32 threads; every thread of a block reaches each
 //! `sync()` and every lane of a warp each warp operation (the host emulation checks both and
 //! reports a divergent barrier instead of hanging); shuffled values are at most 8 bytes. CUB block
 //! primitives do not run on the host, so bodies use these members instead.
+//!
+//! `mma_m16n8k16<T>(d, a, b)` is the warp-wide tensor-core product `D += A·B` of PTX's
+//! `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}`: A is 16 × 16, B 16 × 8, both of `T`
+//! (`medusa::bfloat16` or `medusa::half`), D 16 × 8 in float, each lane holding PTX's fragments
+//! (`a`: 4 registers of 2 elements, `b`: 2, `d`: 4 floats; `mma_fragment` below names the layout).
+//! The products are exact and summed in float on the device in an order the hardware fixes; the
+//! emulation sums them in double and rounds once, so the two agree to float rounding of the sum.
 //!
 //! `device_context` (here, under nvcc) is the CUDA implementation; `emulation.hpp` holds the host
 //! one. Kernel bodies themselves live in `cuda/kernels/`.
@@ -170,6 +178,21 @@ MEDUSA_KERNEL_FN void for_each_element(Ctx& ctx, const T* x, int begin, int end,
   for (; i < end; i += ctx.threads()) f(load_float(x[i]), i);
 }
 
+//! Where the elements of an `mma_m16n8k16` live: lane and register (each 32-bit register holds two
+//! elements, the lower k in the lower half), as PTX's ISA lays out the m16n8k16 fragments.
+struct mma_fragment {
+  //! A(row, k), row and k in [0, 16): lane `4·(row mod 8) + (k mod 8)/2`, register
+  //! `(row ≥ 8) + 2·(k ≥ 8)`.
+  MEDUSA_HOST_DEVICE static constexpr int a_lane(int row, int k) noexcept { return 4 * (row % 8) + (k % 8) / 2; }
+  MEDUSA_HOST_DEVICE static constexpr int a_register(int row, int k) noexcept { return (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0); }
+  //! B(k, col), k in [0, 16), col in [0, 8): lane `4·col + (k mod 8)/2`, register `k ≥ 8`.
+  MEDUSA_HOST_DEVICE static constexpr int b_lane(int k, int col) noexcept { return 4 * col + (k % 8) / 2; }
+  MEDUSA_HOST_DEVICE static constexpr int b_register(int k) noexcept { return k >= 8 ? 1 : 0; }
+  //! D(row, col) of lane l, register i in [0, 4): row `l/4 + 8·(i ≥ 2)`, col `2·(l mod 4) + i mod 2`.
+  MEDUSA_HOST_DEVICE static constexpr int d_row(int lane, int i) noexcept { return lane / 4 + (i >= 2 ? 8 : 0); }
+  MEDUSA_HOST_DEVICE static constexpr int d_col(int lane, int i) noexcept { return 2 * (lane % 4) + i % 2; }
+};
+
 #if defined(__CUDACC__)
 //! The CUDA implementation of the kernel context (see the table above).
 struct device_context {
@@ -194,6 +217,25 @@ struct device_context {
   __device__ void* shared() const noexcept {
     extern __shared__ __align__(16) unsigned char medusa_dynamic_shared[];
     return medusa_dynamic_shared;
+  }
+  template <class T>
+  __device__ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) const noexcept {
+    static_assert(std::is_same_v<T, medusa::bfloat16> || std::is_same_v<T, medusa::half>,
+                  "mma_m16n8k16 multiplies bfloat16 or half");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (std::is_same_v<T, medusa::bfloat16>)
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // the library's CUDA targets are sm_80 and later
+#endif
   }
 };
 #endif
