@@ -22,6 +22,8 @@
 #include <random>
 #include <vector>
 
+#include "device_benchmark_main.hpp"
+
 namespace mc = medusa::cuda;
 namespace mk = medusa::cuda::kernels;
 using tag = medusa::presets::tag_of<"mc_sim_7b_63">;
@@ -362,13 +364,4 @@ BENCHMARK(BM_llama7b_linear_layers)->Arg(1)->Arg(32)->Arg(64)->Arg(512)->Arg(204
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (mc::device_count() == 0) {
-    std::puts("no CUDA device: CUDA benchmarks skipped");
-    return 77;
-  }
-  benchmark::Initialize(&argc, argv);
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+MEDUSA_DEVICE_BENCHMARK_MAIN()

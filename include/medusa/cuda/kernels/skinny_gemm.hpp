@@ -1,0 +1,281 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file cuda/kernels/skinny_gemm.hpp
+//! The batch-invariant GEMM of a decode or tree step, `Y = X·Wᵀ` (optionally `Y += X·Wᵀ`, the
+//! residual add): W is `[n][k]` in bf16 or f16 (an engine's linear layer, row-major as stored), X
+//! the pass's `[rows][k]` activations of the same type, Y `[rows][n]` in float. Tensor cores
+//! (`mma_m16n8k16`), float accumulation.
+//!
+//! **Every output element is reduced over k in one order whatever `rows` is**, so a row's bits do
+//! not depend on the pass it is in (a tree node equals its row decoded alone; docs/cuda.md):
+//! - k is cut into 32-element chunks; the block's 8 warps each own a fixed range of chunks (a
+//!   function of k alone) and sum theirs in order, two mma k-steps a chunk;
+//! - the warps' partial sums are added in warp order, then the residual, if any.
+//! The pass size only chooses how many 8-row column tiles a block carries (1 to 16) and how many
+//! 16-feature tiles (1 or 2): neither changes an element's arithmetic. There is no split of k
+//! across blocks and no switch of algorithm by size.
+//!
+//! W is streamed once per row group (`8 · row_tiles` rows) with 16-byte loads, four chunks in flight
+//! per warp; the pass's activations are re-read from L2 by every block. The tensor cores see W as A
+//! (16 features × 16 k) and X as B (16 k × 8 rows), so a single row wastes only B's other columns.
+//! Inside a chunk each lane loads 8 consecutive elements of a row and feeds them to the two k-steps
+//! as k positions {2t, 2t+1, 2t+8, 2t+9}: A and B use the same permutation, so the product is the
+//! same sum, with 16-byte instead of 4-byte loads.
+//!
+//! @code
+//! namespace mk = medusa::cuda::kernels;
+//! const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = 4096, .k = 4096, .rows = rows});
+//! medusa::cuda::check(medusa::cuda::run(plan, mk::skinny_gemm_params<medusa::bfloat16>{w, x, y, false}, stream),
+//!                     "skinny gemm");
+//! @endcode
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/cuda/kernel_context.hpp>
+#include <medusa/cuda/launch.hpp>
+#include <medusa/half.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+MEDUSA_NAMESPACE_BEGIN
+namespace cuda::kernels {
+
+inline constexpr int skinny_gemm_warps = 8;                           //!< warps of a block, each a k range
+inline constexpr int skinny_gemm_threads = skinny_gemm_warps * warp_size;  //!< threads of a block
+inline constexpr int skinny_gemm_chunk = 32;                           //!< k elements a warp takes at once
+inline constexpr int skinny_gemm_in_flight = 4;  //!< chunks a warp loads ahead (2 where a block carries 16 tiles)
+inline constexpr int skinny_gemm_max_row_tiles = 16;                   //!< 8-row tiles a block carries at most
+
+//! The sizes of one GEMM.
+struct skinny_gemm_problem {
+  int n = 0;     //!< output features: W's rows, Y's columns
+  int k = 0;     //!< the reduction: W's and X's columns
+  int rows = 0;  //!< the pass's rows: X's and Y's rows
+};
+
+//! A validated GEMM and its launch (`plan_skinny_gemm`).
+struct skinny_gemm_plan {
+  skinny_gemm_problem problem;
+  int row_tiles = 0;      //!< 8-row column tiles of B per block: 1, 2, 4, 8 or 16
+  int feature_tiles = 0;  //!< 16-feature tiles of A per block: 1 or 2
+  launch_shape launch;    //!< grid (n / 16·feature_tiles, rows / 8·row_tiles), 256 threads
+};
+
+//! The arrays of one run: W `[n][k]`, X `[rows][k]`, Y `[rows][n]`, all contiguous.
+template <class T>
+struct skinny_gemm_params {
+  const T* w = nullptr;
+  const T* x = nullptr;
+  float* y = nullptr;
+  bool accumulate = false;  //!< Y += X·Wᵀ (the residual add) instead of Y = X·Wᵀ
+};
+
+namespace detail {
+
+[[noreturn]] inline void skinny_gemm_fail(launch_errc c, const std::string& what) {
+  throw launch_error(c, "skinny gemm: " + what);
+}
+
+// Shared bytes: one warp's partial sums at a time (the cross-warp sum goes in warp order).
+constexpr std::size_t skinny_gemm_shared_bytes(int row_tiles, int feature_tiles) noexcept {
+  return static_cast<std::size_t>(row_tiles) * static_cast<std::size_t>(feature_tiles) * warp_size * 4 * sizeof(float);
+}
+
+// Eight consecutive elements of a row starting at `k0` as four registers, zeros past `k` (or for a
+// row that does not exist). `Aligned`: the row and `k0` allow one 16-byte load.
+template <bool Aligned, class T>
+MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, std::uint32_t (&r)[4]) noexcept {
+  if (Aligned) {
+    if (exists && k0 < k) {
+      const vector16<std::uint16_t> v = load_vector16(reinterpret_cast<const std::uint16_t*>(row + k0));
+      MEDUSA_UNROLL
+      for (int i = 0; i < 4; ++i)
+        r[i] = static_cast<std::uint32_t>(v.e[2 * i]) | static_cast<std::uint32_t>(v.e[2 * i + 1]) << 16;
+    } else {
+      MEDUSA_UNROLL
+      for (int i = 0; i < 4; ++i) r[i] = 0;
+    }
+  } else {
+    MEDUSA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int lo = k0 + 2 * i, hi = lo + 1;
+      const std::uint32_t a = exists && lo < k ? row[lo].bits() : 0u;
+      const std::uint32_t b = exists && hi < k ? row[hi].bits() : 0u;
+      r[i] = a | b << 16;
+    }
+  }
+}
+
+}  // namespace detail
+
+//! Validates `p` and picks the launch.
+//! @throws launch_error `invalid_shape`: a size below 1, or a grid beyond the device's limits
+[[nodiscard]] inline skinny_gemm_plan plan_skinny_gemm(const skinny_gemm_problem& p) {
+  using detail::skinny_gemm_fail;
+  if (p.n < 1 || p.k < 1 || p.rows < 1)
+    skinny_gemm_fail(launch_errc::invalid_shape, "n, k and rows must be at least 1, got n " + std::to_string(p.n) +
+                                                     ", k " + std::to_string(p.k) + ", rows " + std::to_string(p.rows));
+  skinny_gemm_plan plan;
+  plan.problem = p;
+  plan.row_tiles = 1;
+  while (plan.row_tiles < skinny_gemm_max_row_tiles && plan.row_tiles * 8 < p.rows) plan.row_tiles *= 2;
+  // Two feature tiles halve the re-reads of X where a block carries 4 or 8 row tiles, and keep a
+  // block's accumulators at 64 registers or fewer.
+  plan.feature_tiles = plan.row_tiles == 4 || plan.row_tiles == 8 ? 2 : 1;
+  const std::int64_t grid_x = (std::int64_t{p.n} + 16 * plan.feature_tiles - 1) / (16 * plan.feature_tiles);
+  const std::int64_t grid_y = (std::int64_t{p.rows} + 8 * plan.row_tiles - 1) / (8 * plan.row_tiles);
+  if (grid_x > std::numeric_limits<int>::max() || grid_y > 65535)
+    skinny_gemm_fail(launch_errc::invalid_shape, "grid of " + std::to_string(grid_x) + " x " + std::to_string(grid_y) +
+                                                     " blocks is beyond the device's limits");
+  plan.launch = {.grid_x = static_cast<int>(grid_x),
+                 .grid_y = static_cast<int>(grid_y),
+                 .threads = skinny_gemm_threads,
+                 .shared_bytes = detail::skinny_gemm_shared_bytes(plan.row_tiles, plan.feature_tiles)};
+  return plan;
+}
+
+//! True when W and X allow 16-byte loads: k a multiple of 8 and both 16-byte aligned.
+template <class T>
+[[nodiscard]] bool skinny_gemm_aligned(const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a) noexcept {
+  return plan.problem.k % 8 == 0 && (reinterpret_cast<std::uintptr_t>(a.w) & 15u) == 0 &&
+         (reinterpret_cast<std::uintptr_t>(a.x) & 15u) == 0;
+}
+
+//! The kernel body: block (x, y) computes features `[16·F·x, 16·F·(x+1))` of rows
+//! `[8·RT·y, 8·RT·(y+1))`. `RT`, `F` are the plan's tiles; `Aligned` as `skinny_gemm_aligned`.
+template <int RT, int F, bool Aligned, class T, class Ctx>
+MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a) {
+  static_assert(std::is_same_v<T, medusa::bfloat16> || std::is_same_v<T, medusa::half>,
+                "the skinny GEMM multiplies bfloat16 or half");
+  const int n = plan.problem.n, k = plan.problem.k, rows = plan.problem.rows;
+  const int lane = ctx.lane(), warp = ctx.warp();
+  const int g = lane / 4, t = lane % 4;
+  const int feature0 = ctx.block_x() * 16 * F;
+  const int row0 = ctx.block_y() * 8 * RT;
+  const int chunks = (k + skinny_gemm_chunk - 1) / skinny_gemm_chunk;
+  const int first = static_cast<int>(std::int64_t{chunks} * warp / skinny_gemm_warps);
+  const int last = static_cast<int>(std::int64_t{chunks} * (warp + 1) / skinny_gemm_warps);
+
+  // A's rows g and g + 8 of each feature tile, B's column g of each row tile.
+  const T* w_row[F][2];
+  bool w_exists[F][2];
+  MEDUSA_UNROLL
+  for (int f = 0; f < F; ++f)
+    MEDUSA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int feature = feature0 + 16 * f + g + 8 * h;
+      w_exists[f][h] = feature < n;
+      w_row[f][h] = a.w + static_cast<std::size_t>(w_exists[f][h] ? feature : 0) * static_cast<std::size_t>(k);
+    }
+  const T* x_row[RT];
+  bool x_exists[RT];
+  MEDUSA_UNROLL
+  for (int j = 0; j < RT; ++j) {
+    const int row = row0 + 8 * j + g;
+    x_exists[j] = row < rows;
+    x_row[j] = a.x + static_cast<std::size_t>(x_exists[j] ? row : 0) * static_cast<std::size_t>(k);
+  }
+
+  float acc[F][RT][4];
+  MEDUSA_UNROLL
+  for (int f = 0; f < F; ++f)
+    MEDUSA_UNROLL
+    for (int j = 0; j < RT; ++j)
+      MEDUSA_UNROLL
+      for (int i = 0; i < 4; ++i) acc[f][j][i] = 0.0f;
+
+  // Fewer chunks ahead where the accumulators take 64 registers: no spills.
+  constexpr int in_flight = F * RT >= 16 ? 2 : skinny_gemm_in_flight;
+  for (int c0 = first; c0 < last; c0 += in_flight) {
+    // W's registers of the next chunks first, so that their loads are in flight together.
+    std::uint32_t wr[in_flight][F][2][4];
+    MEDUSA_UNROLL
+    for (int u = 0; u < in_flight; ++u)
+      MEDUSA_UNROLL
+      for (int f = 0; f < F; ++f)
+        MEDUSA_UNROLL
+        for (int h = 0; h < 2; ++h)
+          detail::load_eight<Aligned>(w_row[f][h], (c0 + u) * skinny_gemm_chunk + 8 * t, k,
+                                      w_exists[f][h] && c0 + u < last, wr[u][f][h]);
+    MEDUSA_UNROLL
+    for (int u = 0; u < in_flight; ++u) {
+      if (c0 + u >= last) continue;
+      const int k0 = (c0 + u) * skinny_gemm_chunk + 8 * t;
+      MEDUSA_UNROLL
+      for (int j = 0; j < RT; ++j) {
+        std::uint32_t xr[4];
+        detail::load_eight<Aligned>(x_row[j], k0, k, x_exists[j], xr);
+        MEDUSA_UNROLL
+        for (int step = 0; step < 2; ++step) {
+          const std::uint32_t b[2] = {xr[2 * step], xr[2 * step + 1]};
+          MEDUSA_UNROLL
+          for (int f = 0; f < F; ++f) {
+            const std::uint32_t af[4] = {wr[u][f][0][2 * step], wr[u][f][1][2 * step], wr[u][f][0][2 * step + 1],
+                                         wr[u][f][1][2 * step + 1]};
+            ctx.template mma_m16n8k16<T>(acc[f][j], af, b);
+          }
+        }
+      }
+    }
+  }
+
+  // The warps' partial sums, added in warp order through one warp's worth of shared memory.
+  float* partial = static_cast<float*>(ctx.shared());
+  for (int w = 0; w < skinny_gemm_warps; ++w) {
+    if (warp == w) {
+      MEDUSA_UNROLL
+      for (int f = 0; f < F; ++f)
+        MEDUSA_UNROLL
+        for (int j = 0; j < RT; ++j)
+          MEDUSA_UNROLL
+          for (int i = 0; i < 4; ++i) {
+            float& s = partial[((f * RT + j) * 4 + i) * warp_size + lane];
+            s = w == 0 ? acc[f][j][i] : s + acc[f][j][i];
+          }
+    }
+    ctx.sync();
+  }
+  // The stores: thread e of the block writes elements e, e + 256, ... of the F × RT × 4 × 32 sums.
+  constexpr int elements = F * RT * 4 * warp_size;
+  for (int e = ctx.thread(); e < elements; e += skinny_gemm_threads) {
+    const int l = e % warp_size, i = (e / warp_size) % 4, j = (e / (4 * warp_size)) % RT, f = e / (4 * warp_size * RT);
+    const int feature = feature0 + 16 * f + mma_fragment::d_row(l, i);
+    const int row = row0 + 8 * j + mma_fragment::d_col(l, i);
+    if (feature >= n || row >= rows) continue;
+    float& out = a.y[static_cast<std::size_t>(row) * static_cast<std::size_t>(n) + static_cast<std::size_t>(feature)];
+    out = a.accumulate ? out + partial[e] : partial[e];
+  }
+}
+
+//! Calls `f(std::integral_constant<int, RT>, std::integral_constant<int, F>, std::bool_constant<Aligned>)`
+//! with the plan's tiles and the alignment of `a`: the one place a run picks its instance.
+template <class T, class F>
+decltype(auto) with_skinny_gemm_variant(const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a, F&& f) {
+  const auto with_aligned = [&](auto rt, auto ft) -> decltype(auto) {
+    if (skinny_gemm_aligned(plan, a)) return f(rt, ft, std::true_type{});
+    return f(rt, ft, std::false_type{});
+  };
+  using std::integral_constant;
+  switch (plan.row_tiles) {
+    case 1: return with_aligned(integral_constant<int, 1>{}, integral_constant<int, 1>{});
+    case 2: return with_aligned(integral_constant<int, 2>{}, integral_constant<int, 1>{});
+    case 4: return with_aligned(integral_constant<int, 4>{}, integral_constant<int, 2>{});
+    case 8: return with_aligned(integral_constant<int, 8>{}, integral_constant<int, 2>{});
+    default: return with_aligned(integral_constant<int, 16>{}, integral_constant<int, 1>{});
+  }
+}
+
+//! The body with the plan's instance, chosen on the host (for the emulation; `cuda/skinny_gemm.cuh`
+//! launches the device's).
+template <class T, class Ctx>
+void skinny_gemm(Ctx& ctx, const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a) {
+  with_skinny_gemm_variant(plan, a, [&](auto rt, auto ft, auto aligned) {
+    skinny_gemm_body<decltype(rt)::value, decltype(ft)::value, decltype(aligned)::value>(ctx, plan, a);
+  });
+}
+
+}  // namespace cuda::kernels
+MEDUSA_NAMESPACE_END

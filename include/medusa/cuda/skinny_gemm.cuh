@@ -1,0 +1,53 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file cuda/skinny_gemm.cuh
+//! The batch-invariant GEMM of a decode or tree step on the GPU (`Y = X·Wᵀ` or `Y += X·Wᵀ`, W in
+//! bf16/f16, tensor cores, float accumulation): the `__global__` wrapper of
+//! `cuda/kernels/skinny_gemm.hpp` and its launcher. A row's bits do not depend on the number of
+//! rows in the pass (docs/cuda.md).
+//!
+//! @code
+//! namespace mk = medusa::cuda::kernels;
+//! const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = n, .k = k, .rows = rows});  // throws launch_error
+//! medusa::cuda::check(medusa::cuda::run(plan, mk::skinny_gemm_params<medusa::bfloat16>{w, x, y, false}, stream),
+//!                     "skinny gemm");
+//! @endcode
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/cuda/common.cuh>
+#include <medusa/cuda/kernel_context.hpp>
+#include <medusa/cuda/kernels/skinny_gemm.hpp>
+
+#include <cuda_runtime.h>
+
+MEDUSA_NAMESPACE_BEGIN
+namespace cuda {
+
+namespace detail {
+
+template <int RT, int F, bool Aligned, class T>
+__global__ void __launch_bounds__(kernels::skinny_gemm_threads)
+    skinny_gemm_kernel(const kernels::skinny_gemm_plan plan, const kernels::skinny_gemm_params<T> a) {
+  device_context ctx;
+  kernels::skinny_gemm_body<RT, F, Aligned>(ctx, plan, a);
+}
+
+}  // namespace detail
+
+//! Launches the GEMM of `params` with the shapes of `plan` on `stream`.
+//! @return `cudaErrorInvalidValue`, with nothing launched, for a null W, X or Y; otherwise the
+//!         launch status. Never allocates nor synchronises (a step's GEMMs can be captured).
+template <class T>
+cudaError_t run(const kernels::skinny_gemm_plan& plan, const kernels::skinny_gemm_params<T>& params,
+                cudaStream_t stream) {
+  if (params.w == nullptr || params.x == nullptr || params.y == nullptr) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(plan.launch.grid_x), static_cast<unsigned>(plan.launch.grid_y));
+  return kernels::with_skinny_gemm_variant(plan, params, [&](auto rt, auto ft, auto aligned) -> cudaError_t {
+    detail::skinny_gemm_kernel<decltype(rt)::value, decltype(ft)::value, decltype(aligned)::value, T>
+        <<<grid, plan.launch.threads, plan.launch.shared_bytes, stream>>>(plan, params);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace cuda
+MEDUSA_NAMESPACE_END

@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: Apache-2.0
+// The skinny GEMM's kernel body, run by the host emulation (tensor-core products summed in double
+// and rounded once per mma): every element within the stated tolerance of the exact product, for
+// bf16 and f16, partial feature and row tiles, k not a multiple of 32 or of 8, with and without the
+// residual; and the property it is built for: a row's bits are the same in passes of 1 to 130 rows.
+#include <doctest/doctest.h>
+#include <medusa/cuda/emulation.hpp>
+#include <medusa/cuda/kernels/skinny_gemm.hpp>
+#include <medusa/half.hpp>
+
+#include "../common_skinny_gemm_cases.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace mc = medusa::cuda;
+namespace mk = medusa::cuda::kernels;
+using namespace medusa_test;
+
+namespace {
+
+// The emulated kernel over the first `rows` rows of `c`: X and Y offset by `offset` elements
+// (a misaligned X takes the element-wise loads).
+template <class T>
+std::vector<float> emulated(const gemm_case<T>& c, int rows, bool accumulate, int offset = 0) {
+  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = c.n, .k = c.k, .rows = rows});
+  std::vector<T> x(static_cast<std::size_t>(offset) + c.x.size());
+  std::memcpy(x.data() + offset, c.x.data(), c.x.size() * sizeof(T));
+  std::vector<float> y = c.y0;
+  const mk::skinny_gemm_params<T> a{c.w.data(), x.data() + offset, y.data(), accumulate};
+  mc::emulate(plan.launch, [&](auto& ctx) { mk::skinny_gemm(ctx, plan, a); });
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("skinny gemm: every element within the tolerance of the exact product", T, medusa::bfloat16,
+                   medusa::half) {
+  for (const gemm_shape& s : tolerance_shapes())
+    if (!(s.large && mc::emulation_sanitized))
+      check_shape<T>([](const gemm_case<T>& c, int rows, bool acc) { return emulated(c, rows, acc); }, s);
+}
+
+TEST_CASE_TEMPLATE("skinny gemm: a row has the same bits in passes of 1 to 130 rows", T, medusa::bfloat16,
+                   medusa::half) {
+  const int n = 24, k = mc::emulation_sanitized ? 96 : 264;
+  const gemm_case<T> c(n, k, 130, 11);
+  for (const bool accumulate : {false, true}) {
+    const std::vector<float> all = emulated(c, 130, accumulate);
+    for (const int rows : invariance_rows()) {
+      CAPTURE(rows);
+      CHECK(same_rows(emulated(c, rows, accumulate), all, rows, n));
+    }
+  }
+}
+
+TEST_CASE("skinny gemm: element-wise loads give the bits of 16-byte loads") {
+  const gemm_case<medusa::bfloat16> c(20, 64, 5, 21);
+  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = 20, .k = 64, .rows = 5});
+  CHECK(mk::skinny_gemm_aligned(plan, mk::skinny_gemm_params<medusa::bfloat16>{c.w.data(), c.x.data(), nullptr}));
+  CHECK_FALSE(
+      mk::skinny_gemm_aligned(plan, mk::skinny_gemm_params<medusa::bfloat16>{c.w.data(), c.x.data() + 1, nullptr}));
+  CHECK(same_rows(emulated(c, 5, true, 1), emulated(c, 5, true, 0), 5, 20));
+}
+
+TEST_CASE("skinny gemm: a NaN in one row's activations stays in that row") {
+  gemm_case<medusa::bfloat16> c(16, 64, 9, 31);
+  const std::vector<float> clean = emulated(c, 9, false);
+  c.x[static_cast<std::size_t>(4) * 64 + 10] = medusa::bfloat16(std::numeric_limits<float>::quiet_NaN());
+  const std::vector<float> y = emulated(c, 9, false);
+  for (int r = 0; r < 9; ++r) {
+    CAPTURE(r);
+    bool any_nan = false;
+    for (int f = 0; f < 16; ++f) any_nan = any_nan || std::isnan(y[static_cast<std::size_t>(r) * 16 + f]);
+    CHECK(any_nan == (r == 4));
+    if (r != 4) CHECK(std::memcmp(&y[static_cast<std::size_t>(r) * 16], &clean[static_cast<std::size_t>(r) * 16], 64) == 0);
+  }
+}
+
+TEST_CASE("skinny gemm: the plan's tiles follow the pass size and bad sizes are refused") {
+  const auto plan = [](int rows) { return mk::plan_skinny_gemm({.n = 4096, .k = 4096, .rows = rows}); };
+  CHECK(plan(1).row_tiles == 1);
+  CHECK(plan(1).launch.grid_x == 256);
+  CHECK(plan(9).row_tiles == 2);
+  CHECK(plan(64).row_tiles == 8);
+  CHECK(plan(64).feature_tiles == 2);
+  CHECK(plan(128).row_tiles == 16);
+  CHECK(plan(300).launch.grid_y == 3);
+  CHECK(plan(300).launch.shared_bytes <= 48 * 1024);
+  CHECK_THROWS_AS((void)mk::plan_skinny_gemm({.n = 0, .k = 16, .rows = 1}), mc::launch_error);
+  CHECK_THROWS_AS((void)mk::plan_skinny_gemm({.n = 16, .k = 16, .rows = 0}), mc::launch_error);
+  CHECK_THROWS_AS((void)mk::plan_skinny_gemm({.n = 16, .k = -1, .rows = 1}), mc::launch_error);
+  CHECK_THROWS_AS((void)mk::plan_skinny_gemm({.n = 16, .k = 16, .rows = 65536 * 128 + 1}), mc::launch_error);
+}
