@@ -18,6 +18,10 @@
 //                           the expected tokens per step, relative step cost and speedup (table
 //                           on stderr)
 //
+// --gemm cublaslt|library: the engine's bf16 GEMMs through cuBLASLt with one pinned algorithm per
+// shape (default) or the library's skinny GEMM (both batch-invariant). --kv-split N: keys per
+// attention split (default: the engine's, from the 2048-slot context).
+//
 // The measured speedup with trained heads on pycode-15m comes from medusa-run --device cuda
 // --mode both --prompts-file (docs/performance.md). Exits 77 without a CUDA device.
 #include <benchmark/benchmark.h>
@@ -74,6 +78,8 @@ constexpr int context = 512;
 const std::vector<int> step_rows = {1, 4, 8, 16, 32, 64, 128};
 std::optional<medusa::path_calibration> calibration;  // --calibration
 std::string step_cost_out;                            // --step-cost-out (the 7B curve)
+bool library_gemm = false;                            // --gemm cublaslt|library
+int kv_split = 0;                                     // --kv-split N (0: the engine's default)
 
 // One engine per shape, made once (the weights take seconds to make).
 cuda_engine& engine_for(const shape& s) {
@@ -81,7 +87,10 @@ cuda_engine& engine_for(const shape& s) {
   auto& e = engines[s.name];
   if (!e)
     e = std::make_unique<cuda_engine>(cuda_engine::synthetic(
-        s.config, {.precision = medusa::dtype::bf16, .max_requests = 1, .max_context = 2048, .max_tokens = 512}, 7));
+        s.config,
+        {.precision = medusa::dtype::bf16, .max_requests = 1, .max_context = 2048, .max_tokens = 512, .kv_split = kv_split,
+         .library_gemm = library_gemm},
+        7));
   return *e;
 }
 
@@ -257,6 +266,14 @@ int main(int argc, char** argv) {
   }
   if (auto f = take_flag(argc, argv, "--calibration")) calibration = medusa::read_calibration(*f);
   if (auto f = take_flag(argc, argv, "--step-cost-out")) step_cost_out = *f;
+  if (auto f = take_flag(argc, argv, "--gemm")) {
+    if (*f != "library" && *f != "cublaslt") {
+      std::fprintf(stderr, "--gemm must be library or cublaslt, got %s\n", f->c_str());
+      return 2;
+    }
+    library_gemm = *f == "library";
+  }
+  if (auto f = take_flag(argc, argv, "--kv-split")) kv_split = std::stoi(*f);
   benchmark::Initialize(&argc, argv);
   for (const shape& s : shapes()) {
     benchmark::RegisterBenchmark((std::string("BM_decode/") + s.name).c_str(), BM_decode, &s)->UseManualTime()->Iterations(3);

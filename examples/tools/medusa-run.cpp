@@ -10,7 +10,7 @@
 //              [--mode vanilla|medusa|both] [--weights f32|bf16|int8|q4] [--classifier-weights F] [--head-weights int8|q8_0|q4|bf16|f32]
 //              [--threads N] [--json]
 //   medusa-run ... --prompts-file F [--batch N]     many prompts, N at a time (continuous batching)
-//   medusa-run ... --device cuda [--precision f32|f16|bf16] [--cuda-gemm invariant|fast]
+//   medusa-run ... --device cuda [--precision f32|f16|bf16] [--cuda-gemm library|invariant|fast]
 //                                                  greedy decoding on the GPU, a whole step per CUDA graph
 #include <medusa/dispatch/policy.hpp>
 #include <medusa/tree.hpp>
@@ -204,10 +204,12 @@ int main(int argc, char** argv) {
   app.add_option_function<std::string>(
          "--cuda-gemm",
          [&a](const std::string& v) {
-           if (v != "invariant" && v != "fast") throw usage_error("--cuda-gemm must be invariant or fast, got " + v);
-           a.cuda_gemm_fast = v == "fast";
+           if (v != "library" && v != "invariant" && v != "fast")
+             throw usage_error("--cuda-gemm must be library, invariant or fast, got " + v);
+           a.cuda_gemm = v;
          },
-         "--device cuda: invariant (one cuBLASLt algorithm per shape: Medusa reproduces plain decoding bit for bit; "
-         "default) or fast (cuBLASLt's choice per pass size)");
+         "--device cuda: invariant (one cuBLASLt algorithm per shape; default), library (the library's "
+         "batch-invariant skinny GEMM for f16/bf16, as invariant for f32) or fast (cuBLASLt's choice per pass "
+         "size); invariant and library make Medusa reproduce plain decoding bit for bit");
   return medusa_tools::run_tool(app, argc, argv, [&] { return medusa_run::run(a); });
 }

@@ -110,9 +110,9 @@ std::vector<std::uint32_t> random_tree_mask(std::mt19937& rng, int n, int& wpr) 
 }
 
 template <class T>
-void check_against_cpu(const model& m, float tol) {
+void check_against_cpu(const model& m, float tol, bool skinny_gemm = false) {
   std::mt19937 rng(5);
-  cd::host_executor ex;
+  cd::host_executor ex(skinny_gemm);
   cd::engine_state<cd::host_executor, T> gpu(ex, m, limits());
   // The CPU engine with the same weight rounding (its activations stay float).
   const weight_format w = std::is_same_v<T, float> ? weight_format::f32 : weight_format::bf16;
@@ -208,6 +208,9 @@ TEST_CASE("the GPU engine's forward equals the CPU engine's: ragged prefill in p
   SUBCASE("bf16 weights and activations: within bf16 rounding") {
     check_against_cpu<medusa::bfloat16>(small_model(rope_style::adjacent_pairs, 2, 3), 3e-2f);
   }
+  SUBCASE("bf16 through the library's skinny GEMM: within bf16 rounding") {
+    check_against_cpu<medusa::bfloat16>(small_model(rope_style::adjacent_pairs, 2, 3), 3e-2f, /*skinny_gemm*/ true);
+  }
 }
 
 TEST_CASE_TEMPLATE("Medusa through the library's decoder over the GPU engine equals its plain decoding", T, float,
@@ -264,6 +267,28 @@ TEST_CASE_TEMPLATE("the device-side step (the graph's sequence) decodes exactly 
   // The drafts were accepted often enough that long paths were committed.
   REQUIRE(med.stats().step.accepted.size() == 5);
   CHECK(med.stats().step.accepted[2] + med.stats().step.accepted[3] + med.stats().step.accepted[4] > 0);
+}
+
+TEST_CASE("through the library's skinny GEMM (bf16) the device-side step decodes exactly as plain decoding") {
+  using T = medusa::bfloat16;
+  const model m = small_model(rope_style::split_halves, 2, 22);
+  const medusa::head_weights hw = random_heads(m, 4, 5);
+  const auto stack = hw.view();
+  std::mt19937 rng(8);
+  const std::vector<std::vector<std::int32_t>> prompts = {random_tokens(rng, 12, 97), random_tokens(rng, 5, 97),
+                                                          random_tokens(rng, 20, 97)};
+  cd::host_executor ex(/*skinny_gemm*/ true);
+  cd::engine_state<cd::host_executor, T> gpu(ex, m, limits(160, 3 * 8));
+  cd::device_decoder<cd::host_executor, T> plain(gpu, nullptr, nullptr);
+  const auto p = plain.generate(prompts, tokens(24), /*eos*/ -1);
+  // A small tree (the emulated GEMM costs about a millisecond a launch): 4 deep, 8 nodes.
+  const auto tree = medusa::tree::from_text("[[0],[0,0],[1],[0,1],[0,0,0],[0,0,0,0],[2]]");
+  cd::device_decoder<cd::host_executor, T> med(gpu, &tree, &stack);
+  const auto r = med.generate(prompts, tokens(24), -1);
+  CHECK(tokens_of(r) == tokens_of(p));
+  for (const auto& x : r) CHECK(static_cast<int>(x.tokens.size()) == tokens(24));
+  REQUIRE(med.stats().step.accepted.size() == 5);
+  CHECK(med.stats().step.accepted[1] + med.stats().step.accepted[2] + med.stats().step.accepted[3] > 0);
 }
 
 TEST_CASE("the device-side step stops at EOS and at the end of the context like plain decoding") {

@@ -21,13 +21,16 @@ int run_cuda(const run_args& a, medusa_llama::loaded_model& lm, const std::vecto
   eo.precision = a.precision;
   eo.max_requests = B;
   eo.max_tokens = std::max(512, B * (tree ? tree->num_nodes() : want_medusa ? a.max_nodes : 1));
-  eo.batch_invariant = !a.cuda_gemm_fast;
+  eo.batch_invariant = a.cuda_gemm != "fast";
+  eo.library_gemm = a.cuda_gemm == "library";
   medusa_llama::cuda_engine eng(lm.weights, eo);
   const nlohmann::json device = {{"device", "cuda"}, {"name", eng.device_name()}, {"precision", std::string(medusa::to_string(a.precision))},
-                                 {"gemm", a.cuda_gemm_fast ? "fast" : "invariant"}};
+                                 {"gemm", a.cuda_gemm}};
   if (!a.json)
     std::fprintf(stderr, "device: %s, %s weights, %s GEMMs\n", eng.device_name().c_str(), medusa::to_string(a.precision).data(),
-                 a.cuda_gemm_fast ? "fast" : "batch-invariant");
+                 a.cuda_gemm == "fast"                                     ? "cuBLASLt (fast)"
+                 : a.cuda_gemm == "invariant" || a.precision == medusa::dtype::f32 ? "cuBLASLt (batch-invariant)"
+                                                                                   : "skinny (batch-invariant)");
   std::optional<medusa::head_stack<>> stack;
   if (want_medusa)
     stack.emplace(head_w.kind() == medusa::projection_kind::per_head

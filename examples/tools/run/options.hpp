@@ -42,7 +42,7 @@ struct run_args {
   bool json = false;
   std::string device = "cpu";                                             // cpu | cuda
   medusa::dtype precision = medusa::dtype::bf16;  // --device cuda
-  bool cuda_gemm_fast = false;                                            // --cuda-gemm fast
+  std::string cuda_gemm = "invariant";                                    // --cuda-gemm library|invariant|fast
 };
 
 // The policies medusa-run offers (speculative_policy needs a draft distribution per node, which

@@ -118,7 +118,7 @@ cuda_engine::cuda_engine(const model_config& c, const model* m, cuda_engine_opti
   auto p = std::make_unique<impl>();
   p->opt = o;
   p->cfg = c;
-  p->ex = std::make_unique<device_executor>(o.device, o.max_tokens, o.batch_invariant);
+  p->ex = std::make_unique<device_executor>(o.device, o.max_tokens, o.batch_invariant, o.library_gemm);
   const cuda_detail::engine_limits lim{.max_requests = o.max_requests, .max_context = o.max_context,
                                        .max_tokens = o.max_tokens, .page_size = o.page_size,
                                        .num_pages = o.num_pages, .kv_split = o.kv_split};

@@ -8,12 +8,15 @@
 // chosen once for the engine's largest pass, without split-K, and used for every pass size: a
 // row's result then does not depend on how many rows share the pass, which greedy Medusa needs to
 // reproduce plain decoding bit for bit. Without it, cuBLASLt's heuristic picks per pass size.
+// With `library_gemm` (the default) bf16/f16 GEMMs run the library's skinny GEMM instead
+// (cuda/skinny_gemm.cuh), batch-invariant by construction; f32 GEMMs stay on cuBLASLt.
 #pragma once
 
 #include <medusa_llama/errors.hpp>
 
 #include <medusa/cuda/attention.cuh>
 #include <medusa/cuda/common.cuh>
+#include <medusa/cuda/skinny_gemm.cuh>
 #include <medusa/cuda/stream_executor.cuh>
 
 #include <cublasLt.h>
@@ -54,8 +57,8 @@ class device_executor : public medusa::cuda::stream_executor {
  public:
   // Sets `device` current, and creates the stream, the cuBLAS handles and their workspace.
   // `max_rows`: the most rows a GEMM will have (the pinned algorithms are chosen for it).
-  device_executor(int device, int max_rows, bool batch_invariant)
-      : stream_executor(device), max_rows_(max_rows), invariant_(batch_invariant) {
+  device_executor(int device, int max_rows, bool batch_invariant, bool library_gemm)
+      : stream_executor(device), max_rows_(max_rows), invariant_(batch_invariant), library_(library_gemm) {
     check_blas(cublasLtCreate(&lt_), "cublasLtCreate");
     check_cuda(cudaMalloc(&lt_ws_, lt_ws_bytes), "cudaMalloc (cuBLASLt workspace)");
     check_cuda(cudaMalloc(&blas_ws_, blas_ws_bytes), "cudaMalloc (cuBLAS workspace)");
@@ -75,6 +78,14 @@ class device_executor : public medusa::cuda::stream_executor {
   // Y[rows][n_out] (+)= X[rows][k] · W[n_out][k]ᵀ, T inputs, float output, float accumulation.
   template <class T>
   void gemm(const T* w, const T* x, float* y, int n_out, int rows, int k, bool accumulate) {
+    if constexpr (!std::is_same_v<T, float>) {
+      if (library_) {
+        namespace mk = medusa::cuda::kernels;
+        const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = n_out, .k = k, .rows = rows});
+        check_cuda(medusa::cuda::run(plan, mk::skinny_gemm_params<T>{w, x, y, accumulate}, stream()), "skinny gemm");
+        return;
+      }
+    }
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     gemm_shape& g = shape_of<T>(n_out, k);
     const layouts& l = g.layouts_for(rows);
@@ -197,6 +208,7 @@ class device_executor : public medusa::cuda::stream_executor {
 
   int max_rows_;
   bool invariant_;
+  bool library_;
   cublasLtHandle_t lt_ = nullptr;
   void* lt_ws_ = nullptr;
   void* blas_ws_ = nullptr;

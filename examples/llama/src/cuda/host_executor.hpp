@@ -3,25 +3,41 @@
 // emulated executor (host memory, kernel bodies under the emulation, the step's kernels, the CPU
 // heads, replay by re-running) plus the forward's GEMMs as plain float loops and the library's
 // attention under the emulation. It runs every line of the GPU engine's pass and step except the
-// cuBLAS calls and the graph capture, which only a device can run.
+// cuBLAS calls and the graph capture, which only a device can run. With `skinny_gemm`, the 16-bit
+// GEMMs run the library's skinny GEMM under the emulation instead (the device executor's
+// `library_gemm`).
 #pragma once
 
 #include <medusa/cuda/emulated_executor.hpp>
+#include <medusa/cuda/emulation.hpp>
 #include <medusa/cuda/kernels/attention.hpp>
+#include <medusa/cuda/kernels/skinny_gemm.hpp>
 
 #include <chrono>
 #include <cstddef>
 #include <stdexcept>
+#include <type_traits>
 
 namespace medusa_llama::cuda_detail {
 
 class host_executor : public medusa::cuda::emulated_executor {
  public:
+  explicit host_executor(bool skinny_gemm = false) : skinny_(skinny_gemm) {}
+
   // Y[rows][n_out] (+)= X[rows][k] · W[n_out][k]ᵀ, float accumulation in order of k: every row is
   // computed the same way whatever the number of rows (as the device's pinned algorithms are).
   template <class T>
   void gemm(const T* w, const T* x, float* y, int n_out, int rows, int k, bool accumulate) {
     ++gemms_;
+    if constexpr (!std::is_same_v<T, float>) {
+      if (skinny_) {
+        namespace mk = medusa::cuda::kernels;
+        const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = n_out, .k = k, .rows = rows});
+        const mk::skinny_gemm_params<T> a{w, x, y, accumulate};
+        medusa::cuda::emulate(plan.launch, [&](auto& ctx) { mk::skinny_gemm(ctx, plan, a); });
+        return;
+      }
+    }
     for (int r = 0; r < rows; ++r) {
       const T* xr = x + static_cast<std::size_t>(r) * static_cast<std::size_t>(k);
       float* yr = y + static_cast<std::size_t>(r) * static_cast<std::size_t>(n_out);
@@ -55,6 +71,7 @@ class host_executor : public medusa::cuda::emulated_executor {
   [[nodiscard]] long long gemms() const noexcept { return gemms_; }
 
  private:
+  bool skinny_ = false;
   long long gemms_ = 0;
 };
 
