@@ -81,8 +81,8 @@ inline bool same_rows(const std::vector<float>& a, const std::vector<float>& b, 
 }
 
 // The shapes both tests hold to the tolerance: one tile and one chunk; a partial feature tile; k a
-// multiple of 8 but not of 32 (two row tiles); k not a multiple of 8 (element-wise loads); four
-// row tiles and two feature tiles a block; eight row tiles with two chunks a warp; sixteen row
+// multiple of 8 but not of 32 (four row tiles); k not a multiple of 8 (element-wise loads); four
+// row tiles and two feature tiles a block; sixteen row tiles with two chunks a warp; sixteen row
 // tiles in two row groups. `large`: the last two, the emulation's slowest.
 struct gemm_shape {
   int n, k, rows;

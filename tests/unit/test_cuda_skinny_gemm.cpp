@@ -84,9 +84,11 @@ TEST_CASE("skinny gemm: the plan's tiles follow the pass size and bad sizes are 
   const auto plan = [](int rows) { return mk::plan_skinny_gemm({.n = 4096, .k = 4096, .rows = rows}); };
   CHECK(plan(1).row_tiles == 1);
   CHECK(plan(1).launch.grid_x == 256);
-  CHECK(plan(9).row_tiles == 2);
-  CHECK(plan(64).row_tiles == 8);
-  CHECK(plan(64).feature_tiles == 2);
+  CHECK(plan(8).row_tiles == 1);
+  CHECK(plan(9).row_tiles == 4);
+  CHECK(plan(32).feature_tiles == 2);
+  CHECK(plan(33).row_tiles == 16);
+  CHECK(plan(64).feature_tiles == 1);
   CHECK(plan(128).row_tiles == 16);
   CHECK(plan(300).launch.grid_y == 3);
   CHECK(plan(300).launch.shared_bytes <= 48 * 1024);

@@ -357,8 +357,10 @@ class host_context {
     return bits;
   }
   void* shared() const noexcept { return block_->shared.data(); }
+  // Out of line: kernel bodies unroll their mma loops, and this inlined at every site makes the
+  // host compile of a GEMM body minutes long.
   template <class T>
-  void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) const {
+  [[gnu::noinline]] void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) const {
     static_assert(std::is_same_v<T, medusa::bfloat16> || std::is_same_v<T, medusa::half>,
                   "mma_m16n8k16 multiplies bfloat16 or half");
     // Every lane publishes its fragments, then computes its own four outputs from all of them.

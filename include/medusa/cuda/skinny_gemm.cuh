@@ -25,11 +25,11 @@ namespace cuda {
 
 namespace detail {
 
-template <int RT, int F, bool Aligned, class T>
+template <int RT, int F, class T>
 __global__ void __launch_bounds__(kernels::skinny_gemm_threads)
-    skinny_gemm_kernel(const kernels::skinny_gemm_plan plan, const kernels::skinny_gemm_params<T> a) {
+    skinny_gemm_kernel(const kernels::skinny_gemm_plan plan, const kernels::skinny_gemm_params<T> a, bool aligned) {
   device_context ctx;
-  kernels::skinny_gemm_body<RT, F, Aligned>(ctx, plan, a);
+  kernels::skinny_gemm_body<RT, F>(ctx, plan, a, aligned);
 }
 
 }  // namespace detail
@@ -42,9 +42,10 @@ cudaError_t run(const kernels::skinny_gemm_plan& plan, const kernels::skinny_gem
                 cudaStream_t stream) {
   if (params.w == nullptr || params.x == nullptr || params.y == nullptr) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(plan.launch.grid_x), static_cast<unsigned>(plan.launch.grid_y));
-  return kernels::with_skinny_gemm_variant(plan, params, [&](auto rt, auto ft, auto aligned) -> cudaError_t {
-    detail::skinny_gemm_kernel<decltype(rt)::value, decltype(ft)::value, decltype(aligned)::value, T>
-        <<<grid, plan.launch.threads, plan.launch.shared_bytes, stream>>>(plan, params);
+  const bool aligned = kernels::skinny_gemm_aligned(plan, params);
+  return kernels::with_skinny_gemm_variant(plan, [&](auto rt, auto ft) -> cudaError_t {
+    detail::skinny_gemm_kernel<decltype(rt)::value, decltype(ft)::value, T>
+        <<<grid, plan.launch.threads, plan.launch.shared_bytes, stream>>>(plan, params, aligned);
     return cudaGetLastError();
   });
 }

@@ -3,9 +3,10 @@
 // emulated executor (host memory, kernel bodies under the emulation, the step's kernels, the CPU
 // heads, replay by re-running) plus the forward's GEMMs as plain float loops and the library's
 // attention under the emulation. It runs every line of the GPU engine's pass and step except the
-// cuBLAS calls and the graph capture, which only a device can run. With `skinny_gemm`, the 16-bit
+// cuBLAS calls and the graph capture, which only a device can run. With `skinny_gemm`, the bf16
 // GEMMs run the library's skinny GEMM under the emulation instead (the device executor's
-// `library_gemm`).
+// `library_gemm`; f16 keeps the float loops, which spares every build of the tests a second
+// emulated instance set).
 #pragma once
 
 #include <medusa/cuda/emulated_executor.hpp>
@@ -29,7 +30,7 @@ class host_executor : public medusa::cuda::emulated_executor {
   template <class T>
   void gemm(const T* w, const T* x, float* y, int n_out, int rows, int k, bool accumulate) {
     ++gemms_;
-    if constexpr (!std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, medusa::bfloat16>) {
       if (skinny_) {
         namespace mk = medusa::cuda::kernels;
         const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = n_out, .k = k, .rows = rows});

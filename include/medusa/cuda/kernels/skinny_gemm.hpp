@@ -10,7 +10,7 @@
 //! - k is cut into 32-element chunks; the block's 8 warps each own a fixed range of chunks (a
 //!   function of k alone) and sum theirs in order, two mma k-steps a chunk;
 //! - the warps' partial sums are added in warp order, then the residual, if any.
-//! The pass size only chooses how many 8-row column tiles a block carries (1 to 16) and how many
+//! The pass size only chooses how many 8-row column tiles a block carries (1, 4 or 16) and how many
 //! 16-feature tiles (1 or 2): neither changes an element's arithmetic. There is no split of k
 //! across blocks and no switch of algorithm by size.
 //!
@@ -59,7 +59,7 @@ struct skinny_gemm_problem {
 //! A validated GEMM and its launch (`plan_skinny_gemm`).
 struct skinny_gemm_plan {
   skinny_gemm_problem problem;
-  int row_tiles = 0;      //!< 8-row column tiles of B per block: 1, 2, 4, 8 or 16
+  int row_tiles = 0;      //!< 8-row column tiles of B per block: 1 (up to 8 rows), 4 (up to 32) or 16
   int feature_tiles = 0;  //!< 16-feature tiles of A per block: 1 or 2
   launch_shape launch;    //!< grid (n / 16·feature_tiles, rows / 8·row_tiles), 256 threads
 };
@@ -75,6 +75,14 @@ struct skinny_gemm_params {
 
 namespace detail {
 
+// The body's loops unroll on the device (registers, not local memory); on the host, where the
+// emulation runs them, unrolling only makes the compile minutes long.
+#if defined(__CUDACC__)
+#define MEDUSA_SKINNY_UNROLL _Pragma("unroll")
+#else
+#define MEDUSA_SKINNY_UNROLL
+#endif
+
 [[noreturn]] inline void skinny_gemm_fail(launch_errc c, const std::string& what) {
   throw launch_error(c, "skinny gemm: " + what);
 }
@@ -85,21 +93,22 @@ constexpr std::size_t skinny_gemm_shared_bytes(int row_tiles, int feature_tiles)
 }
 
 // Eight consecutive elements of a row starting at `k0` as four registers, zeros past `k` (or for a
-// row that does not exist). `Aligned`: the row and `k0` allow one 16-byte load.
-template <bool Aligned, class T>
-MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, std::uint32_t (&r)[4]) noexcept {
-  if (Aligned) {
+// row that does not exist). `aligned`: the row and `k0` allow one 16-byte load (the same for the
+// whole launch, so the branch never diverges).
+template <class T>
+MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool aligned, std::uint32_t (&r)[4]) noexcept {
+  if (aligned) {
     if (exists && k0 < k) {
       const vector16<std::uint16_t> v = load_vector16(reinterpret_cast<const std::uint16_t*>(row + k0));
-      MEDUSA_UNROLL
+      MEDUSA_SKINNY_UNROLL
       for (int i = 0; i < 4; ++i)
         r[i] = static_cast<std::uint32_t>(v.e[2 * i]) | static_cast<std::uint32_t>(v.e[2 * i + 1]) << 16;
     } else {
-      MEDUSA_UNROLL
+      MEDUSA_SKINNY_UNROLL
       for (int i = 0; i < 4; ++i) r[i] = 0;
     }
   } else {
-    MEDUSA_UNROLL
+    MEDUSA_SKINNY_UNROLL
     for (int i = 0; i < 4; ++i) {
       const int lo = k0 + 2 * i, hi = lo + 1;
       const std::uint32_t a = exists && lo < k ? row[lo].bits() : 0u;
@@ -120,11 +129,12 @@ MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, std::
                                                      ", k " + std::to_string(p.k) + ", rows " + std::to_string(p.rows));
   skinny_gemm_plan plan;
   plan.problem = p;
-  plan.row_tiles = 1;
-  while (plan.row_tiles < skinny_gemm_max_row_tiles && plan.row_tiles * 8 < p.rows) plan.row_tiles *= 2;
-  // Two feature tiles halve the re-reads of X where a block carries 4 or 8 row tiles, and keep a
-  // block's accumulators at 64 registers or fewer.
-  plan.feature_tiles = plan.row_tiles == 4 || plan.row_tiles == 8 ? 2 : 1;
+  // Three instances: up to 8 rows, up to 32, more (each further instance costs every CUDA build
+  // of an engine its compile time).
+  plan.row_tiles = p.rows <= 8 ? 1 : p.rows <= 32 ? 4 : skinny_gemm_max_row_tiles;
+  // Two feature tiles halve the re-reads of X where a block carries 4 row tiles; at 16 the
+  // accumulators already take 64 registers.
+  plan.feature_tiles = plan.row_tiles == 4 ? 2 : 1;
   const std::int64_t grid_x = (std::int64_t{p.n} + 16 * plan.feature_tiles - 1) / (16 * plan.feature_tiles);
   const std::int64_t grid_y = (std::int64_t{p.rows} + 8 * plan.row_tiles - 1) / (8 * plan.row_tiles);
   if (grid_x > std::numeric_limits<int>::max() || grid_y > 65535)
@@ -145,9 +155,10 @@ template <class T>
 }
 
 //! The kernel body: block (x, y) computes features `[16·F·x, 16·F·(x+1))` of rows
-//! `[8·RT·y, 8·RT·(y+1))`. `RT`, `F` are the plan's tiles; `Aligned` as `skinny_gemm_aligned`.
-template <int RT, int F, bool Aligned, class T, class Ctx>
-MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a) {
+//! `[8·RT·y, 8·RT·(y+1))`. `RT`, `F` are the plan's tiles; `aligned` is `skinny_gemm_aligned`.
+template <int RT, int F, class T, class Ctx>
+MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a,
+                                       bool aligned) {
   static_assert(std::is_same_v<T, medusa::bfloat16> || std::is_same_v<T, medusa::half>,
                 "the skinny GEMM multiplies bfloat16 or half");
   const int n = plan.problem.n, k = plan.problem.k, rows = plan.problem.rows;
@@ -162,9 +173,9 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
   // A's rows g and g + 8 of each feature tile, B's column g of each row tile.
   const T* w_row[F][2];
   bool w_exists[F][2];
-  MEDUSA_UNROLL
+  MEDUSA_SKINNY_UNROLL
   for (int f = 0; f < F; ++f)
-    MEDUSA_UNROLL
+    MEDUSA_SKINNY_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int feature = feature0 + 16 * f + g + 8 * h;
       w_exists[f][h] = feature < n;
@@ -172,7 +183,7 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
     }
   const T* x_row[RT];
   bool x_exists[RT];
-  MEDUSA_UNROLL
+  MEDUSA_SKINNY_UNROLL
   for (int j = 0; j < RT; ++j) {
     const int row = row0 + 8 * j + g;
     x_exists[j] = row < rows;
@@ -180,11 +191,11 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
   }
 
   float acc[F][RT][4];
-  MEDUSA_UNROLL
+  MEDUSA_SKINNY_UNROLL
   for (int f = 0; f < F; ++f)
-    MEDUSA_UNROLL
+    MEDUSA_SKINNY_UNROLL
     for (int j = 0; j < RT; ++j)
-      MEDUSA_UNROLL
+      MEDUSA_SKINNY_UNROLL
       for (int i = 0; i < 4; ++i) acc[f][j][i] = 0.0f;
 
   // Fewer chunks ahead where the accumulators take 64 registers: no spills.
@@ -192,26 +203,26 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
   for (int c0 = first; c0 < last; c0 += in_flight) {
     // W's registers of the next chunks first, so that their loads are in flight together.
     std::uint32_t wr[in_flight][F][2][4];
-    MEDUSA_UNROLL
+    MEDUSA_SKINNY_UNROLL
     for (int u = 0; u < in_flight; ++u)
-      MEDUSA_UNROLL
+      MEDUSA_SKINNY_UNROLL
       for (int f = 0; f < F; ++f)
-        MEDUSA_UNROLL
+        MEDUSA_SKINNY_UNROLL
         for (int h = 0; h < 2; ++h)
-          detail::load_eight<Aligned>(w_row[f][h], (c0 + u) * skinny_gemm_chunk + 8 * t, k,
-                                      w_exists[f][h] && c0 + u < last, wr[u][f][h]);
-    MEDUSA_UNROLL
+          detail::load_eight(w_row[f][h], (c0 + u) * skinny_gemm_chunk + 8 * t, k, w_exists[f][h] && c0 + u < last,
+                             aligned, wr[u][f][h]);
+    MEDUSA_SKINNY_UNROLL
     for (int u = 0; u < in_flight; ++u) {
       if (c0 + u >= last) continue;
       const int k0 = (c0 + u) * skinny_gemm_chunk + 8 * t;
-      MEDUSA_UNROLL
+      MEDUSA_SKINNY_UNROLL
       for (int j = 0; j < RT; ++j) {
         std::uint32_t xr[4];
-        detail::load_eight<Aligned>(x_row[j], k0, k, x_exists[j], xr);
-        MEDUSA_UNROLL
+        detail::load_eight(x_row[j], k0, k, x_exists[j], aligned, xr);
+        MEDUSA_SKINNY_UNROLL
         for (int step = 0; step < 2; ++step) {
           const std::uint32_t b[2] = {xr[2 * step], xr[2 * step + 1]};
-          MEDUSA_UNROLL
+          MEDUSA_SKINNY_UNROLL
           for (int f = 0; f < F; ++f) {
             const std::uint32_t af[4] = {wr[u][f][0][2 * step], wr[u][f][1][2 * step], wr[u][f][0][2 * step + 1],
                                          wr[u][f][1][2 * step + 1]};
@@ -226,11 +237,11 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
   float* partial = static_cast<float*>(ctx.shared());
   for (int w = 0; w < skinny_gemm_warps; ++w) {
     if (warp == w) {
-      MEDUSA_UNROLL
+      MEDUSA_SKINNY_UNROLL
       for (int f = 0; f < F; ++f)
-        MEDUSA_UNROLL
+        MEDUSA_SKINNY_UNROLL
         for (int j = 0; j < RT; ++j)
-          MEDUSA_UNROLL
+          MEDUSA_SKINNY_UNROLL
           for (int i = 0; i < 4; ++i) {
             float& s = partial[((f * RT + j) * 4 + i) * warp_size + lane];
             s = w == 0 ? acc[f][j][i] : s + acc[f][j][i];
@@ -250,21 +261,15 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
   }
 }
 
-//! Calls `f(std::integral_constant<int, RT>, std::integral_constant<int, F>, std::bool_constant<Aligned>)`
-//! with the plan's tiles and the alignment of `a`: the one place a run picks its instance.
-template <class T, class F>
-decltype(auto) with_skinny_gemm_variant(const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a, F&& f) {
-  const auto with_aligned = [&](auto rt, auto ft) -> decltype(auto) {
-    if (skinny_gemm_aligned(plan, a)) return f(rt, ft, std::true_type{});
-    return f(rt, ft, std::false_type{});
-  };
+//! Calls `f(std::integral_constant<int, RT>, std::integral_constant<int, F>)` with the plan's
+//! tiles: the one place a run picks its instance.
+template <class F>
+decltype(auto) with_skinny_gemm_variant(const skinny_gemm_plan& plan, F&& f) {
   using std::integral_constant;
   switch (plan.row_tiles) {
-    case 1: return with_aligned(integral_constant<int, 1>{}, integral_constant<int, 1>{});
-    case 2: return with_aligned(integral_constant<int, 2>{}, integral_constant<int, 1>{});
-    case 4: return with_aligned(integral_constant<int, 4>{}, integral_constant<int, 2>{});
-    case 8: return with_aligned(integral_constant<int, 8>{}, integral_constant<int, 2>{});
-    default: return with_aligned(integral_constant<int, 16>{}, integral_constant<int, 1>{});
+    case 1: return f(integral_constant<int, 1>{}, integral_constant<int, 1>{});
+    case 4: return f(integral_constant<int, 4>{}, integral_constant<int, 2>{});
+    default: return f(integral_constant<int, 16>{}, integral_constant<int, 1>{});
   }
 }
 
@@ -272,10 +277,13 @@ decltype(auto) with_skinny_gemm_variant(const skinny_gemm_plan& plan, const skin
 //! launches the device's).
 template <class T, class Ctx>
 void skinny_gemm(Ctx& ctx, const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a) {
-  with_skinny_gemm_variant(plan, a, [&](auto rt, auto ft, auto aligned) {
-    skinny_gemm_body<decltype(rt)::value, decltype(ft)::value, decltype(aligned)::value>(ctx, plan, a);
+  const bool aligned = skinny_gemm_aligned(plan, a);
+  with_skinny_gemm_variant(plan, [&](auto rt, auto ft) {
+    skinny_gemm_body<decltype(rt)::value, decltype(ft)::value>(ctx, plan, a, aligned);
   });
 }
 
 }  // namespace cuda::kernels
 MEDUSA_NAMESPACE_END
+
+#undef MEDUSA_SKINNY_UNROLL
