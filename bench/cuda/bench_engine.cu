@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -273,7 +274,15 @@ int main(int argc, char** argv) {
     }
     library_gemm = *f == "library";
   }
-  if (auto f = take_flag(argc, argv, "--kv-split")) kv_split = std::stoi(*f);
+  if (auto f = take_flag(argc, argv, "--kv-split")) {
+    char* end = nullptr;
+    const long v = std::strtol(f->c_str(), &end, 10);
+    if (end == f->c_str() || *end != '\0' || v < 32 || v % 32 != 0 || v > 1 << 20) {
+      std::fprintf(stderr, "--kv-split must be a positive multiple of 32, got %s\n", f->c_str());
+      return 2;
+    }
+    kv_split = static_cast<int>(v);
+  }
   benchmark::Initialize(&argc, argv);
   for (const shape& s : shapes()) {
     benchmark::RegisterBenchmark((std::string("BM_decode/") + s.name).c_str(), BM_decode, &s)->UseManualTime()->Iterations(3);

@@ -8,7 +8,7 @@
 // chosen once for the engine's largest pass, without split-K, and used for every pass size: a
 // row's result then does not depend on how many rows share the pass, which greedy Medusa needs to
 // reproduce plain decoding bit for bit. Without it, cuBLASLt's heuristic picks per pass size.
-// With `library_gemm` (the default) bf16/f16 GEMMs run the library's skinny GEMM instead
+// With `library_gemm` (off by default) bf16/f16 GEMMs run the library's skinny GEMM instead
 // (cuda/skinny_gemm.cuh), batch-invariant by construction; f32 GEMMs stay on cuBLASLt.
 #pragma once
 

@@ -83,6 +83,11 @@ namespace detail {
 #define MEDUSA_SKINNY_UNROLL
 #endif
 
+// 16-feature tiles of a block carrying `row_tiles` row tiles: two halve the re-reads of X at 4 row
+// tiles; at 16 the accumulators already take 64 registers. The plan's grid and the launched
+// instance both read it here.
+constexpr int skinny_gemm_feature_tiles(int row_tiles) noexcept { return row_tiles == 4 ? 2 : 1; }
+
 [[noreturn]] inline void skinny_gemm_fail(launch_errc c, const std::string& what) {
   throw launch_error(c, "skinny gemm: " + what);
 }
@@ -132,9 +137,7 @@ MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool 
   // Three instances: up to 8 rows, up to 32, more (each further instance costs every CUDA build
   // of an engine its compile time).
   plan.row_tiles = p.rows <= 8 ? 1 : p.rows <= 32 ? 4 : skinny_gemm_max_row_tiles;
-  // Two feature tiles halve the re-reads of X where a block carries 4 row tiles; at 16 the
-  // accumulators already take 64 registers.
-  plan.feature_tiles = plan.row_tiles == 4 ? 2 : 1;
+  plan.feature_tiles = detail::skinny_gemm_feature_tiles(plan.row_tiles);
   const std::int64_t grid_x = (std::int64_t{p.n} + 16 * plan.feature_tiles - 1) / (16 * plan.feature_tiles);
   const std::int64_t grid_y = (std::int64_t{p.rows} + 8 * plan.row_tiles - 1) / (8 * plan.row_tiles);
   if (grid_x > std::numeric_limits<int>::max() || grid_y > 65535)
@@ -265,11 +268,13 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
 //! tiles: the one place a run picks its instance.
 template <class F>
 decltype(auto) with_skinny_gemm_variant(const skinny_gemm_plan& plan, F&& f) {
-  using std::integral_constant;
+  const auto tiles = [&](auto rt) -> decltype(auto) {
+    return f(rt, std::integral_constant<int, detail::skinny_gemm_feature_tiles(decltype(rt)::value)>{});
+  };
   switch (plan.row_tiles) {
-    case 1: return f(integral_constant<int, 1>{}, integral_constant<int, 1>{});
-    case 4: return f(integral_constant<int, 4>{}, integral_constant<int, 2>{});
-    default: return f(integral_constant<int, 16>{}, integral_constant<int, 1>{});
+    case 1: return tiles(std::integral_constant<int, 1>{});
+    case 4: return tiles(std::integral_constant<int, 4>{});
+    default: return tiles(std::integral_constant<int, skinny_gemm_max_row_tiles>{});
   }
 }
 
