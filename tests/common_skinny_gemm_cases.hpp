@@ -7,6 +7,7 @@
 #pragma once
 
 #include <doctest/doctest.h>
+#include <medusa/cuda/kernel_context.hpp>
 #include <medusa/cuda/kernels/skinny_gemm.hpp>
 #include <medusa/half.hpp>
 
@@ -112,6 +113,52 @@ void check_shape(Run&& run, const gemm_shape& s, int stride = 1) {
     check_against_exact(c, y, s.rows, accumulate, stride);
     CHECK(std::memcmp(y.data() + pass, c.y0.data() + pass, (c.y0.size() - pass) * sizeof(float)) == 0);
   }
+}
+
+// A case for the SwiGLU epilogue: `c`'s W read as the stacked `[gate; up]` of `columns` outputs
+// (c.n == 2·columns), interleaved as the epilogue wants (pad rows zero), Y starting at zero.
+template <class T>
+gemm_case<T> swiglu_case(const gemm_case<T>& c, int columns) {
+  gemm_case<T> s = c;
+  s.n = medusa::cuda::kernels::skinny_gemm_swiglu_features(columns);
+  s.w.assign(static_cast<std::size_t>(s.n) * static_cast<std::size_t>(c.k), T(0.0f));
+  for (int f = 0; f < s.n; ++f) {
+    const int src = medusa::cuda::kernels::skinny_gemm_swiglu_source(f, columns);
+    if (src >= 0)
+      std::memcpy(&s.w[static_cast<std::size_t>(f) * c.k], &c.w[static_cast<std::size_t>(src) * c.k], c.k * sizeof(T));
+  }
+  s.y0.assign(static_cast<std::size_t>(c.rows) * static_cast<std::size_t>(s.n), 0.0f);
+  return s;
+}
+
+// SiLU(gate) ⊙ up rounded to T from the plain GEMM's output `y` ([rows][n]) over a SwiGLU case's W.
+template <class T>
+std::vector<T> swiglu_of(const std::vector<float>& y, int rows, int n, int columns) {
+  std::vector<T> h(static_cast<std::size_t>(rows) * static_cast<std::size_t>(columns));
+  for (int r = 0; r < rows; ++r)
+    for (int col = 0; col < columns; ++col) {
+      const int gate = col / 8 * 16 + col % 8;
+      const std::size_t at = static_cast<std::size_t>(r) * static_cast<std::size_t>(n);
+      h[static_cast<std::size_t>(r) * columns + col] =
+          medusa::cuda::store_float<T>(medusa::silu(y[at + gate]) * y[at + gate + 8]);
+    }
+  return h;
+}
+
+// True when `a` and `b` hold the same bits.
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// The SwiGLU shapes: full and padded last groups, k a multiple of 8 or not, 1, 4 and 16 row tiles.
+struct swiglu_shape {
+  int columns, k, rows;
+  std::uint32_t seed;
+};
+inline const std::vector<swiglu_shape>& swiglu_shapes() {
+  static const std::vector<swiglu_shape> s{{24, 64, 1, 41}, {21, 40, 9, 42}, {37, 96, 40, 43}};
+  return s;
 }
 
 // The pass sizes whose rows must equal the largest pass's, bit for bit.

@@ -2,7 +2,8 @@
 // The skinny GEMM on a device: every element within the stated tolerance of the exact product
 // (bf16 and f16, partial tiles, k not a multiple of 32 or of 8, with and without the residual),
 // and a row's bits identical in passes of 1, 2, 3, 8, 64, 128 rows (and the sizes between), at
-// Llama-2-7B's shapes, checked with memcmp.
+// Llama-2-7B's shapes, checked with memcmp; the SwiGLU epilogue equal to the plain GEMM followed by
+// SiLU(gate)·up, bit for bit, in passes of every size.
 #include "gpu_test.hpp"
 
 #include <medusa/cuda/skinny_gemm.cuh>
@@ -39,7 +40,46 @@ std::vector<float> on_device(const gemm_case<T>& c, int rows, bool accumulate, i
   return y.download();
 }
 
+// The device SwiGLU GEMM over the first `rows` rows of the interleaved case `s` (`columns` outputs).
+template <class T>
+std::vector<T> on_device_swiglu(const gemm_case<T>& s, int rows, int columns) {
+  mk::skinny_gemm_problem problem;
+  problem.n = s.n;
+  problem.k = s.k;
+  problem.rows = rows;
+  problem.swiglu = true;
+  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm(problem);
+  const device_array<T> w(s.w), x(s.x);
+  const device_array<T> h(std::vector<T>(static_cast<std::size_t>(rows) * static_cast<std::size_t>(columns), T(0.0f)));
+  mk::skinny_gemm_params<T> a{w.get(), x.get(), nullptr};
+  a.gated = h.get();
+  a.gated_columns = columns;
+  mc::check(mc::run(plan, a, nullptr), "skinny gemm (SwiGLU)");
+  mc::check(cudaDeviceSynchronize(), "skinny gemm (SwiGLU)");
+  return h.download();
+}
+
 }  // namespace
+
+TEST_CASE_TEMPLATE("device skinny gemm: the SwiGLU epilogue has the bits of the plain GEMM and SiLU(gate)·up", T,
+                   medusa::bfloat16, medusa::half) {
+  std::vector<swiglu_shape> shapes = swiglu_shapes();
+  shapes.push_back({11008, 4096, 64, 44});  // Llama-2-7B's gate/up
+  for (const swiglu_shape& sh : shapes) {
+    CAPTURE(sh.columns);
+    CAPTURE(sh.k);
+    const gemm_case<T> c(2 * sh.columns, sh.k, sh.rows, sh.seed);
+    const gemm_case<T> s = swiglu_case(c, sh.columns);
+    const std::vector<T> fused = on_device_swiglu(s, sh.rows, sh.columns);
+    CHECK(same_bits(fused, swiglu_of<T>(on_device(s, sh.rows, false), sh.rows, s.n, sh.columns)));
+    for (const int rows : {1, 2, 3, 8, 9, 33}) {
+      if (rows >= sh.rows) continue;
+      CAPTURE(rows);
+      const std::vector<T> part = on_device_swiglu(s, rows, sh.columns);
+      CHECK(std::memcmp(part.data(), fused.data(), part.size() * sizeof(T)) == 0);
+    }
+  }
+}
 
 TEST_CASE_TEMPLATE("device skinny gemm: every element within the tolerance of the exact product", T, medusa::bfloat16,
                    medusa::half) {

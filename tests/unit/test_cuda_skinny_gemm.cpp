@@ -35,7 +35,67 @@ std::vector<float> emulated(const gemm_case<T>& c, int rows, bool accumulate, in
   return y;
 }
 
+// The emulated SwiGLU GEMM over the first `rows` rows of the interleaved case `s` (`columns`
+// outputs), h starting at zero.
+template <class T>
+std::vector<T> emulated_swiglu(const gemm_case<T>& s, int rows, int columns) {
+  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = s.n, .k = s.k, .rows = rows, .swiglu = true});
+  std::vector<T> h(static_cast<std::size_t>(rows) * static_cast<std::size_t>(columns), T(0.0f));
+  mk::skinny_gemm_params<T> a{s.w.data(), s.x.data(), nullptr};
+  a.gated = h.data();
+  a.gated_columns = columns;
+  REQUIRE(mk::skinny_gemm_args_ok(plan, a));
+  mc::emulate(plan.launch, [&](auto& ctx) { mk::skinny_gemm(ctx, plan, a); });
+  return h;
+}
+
 }  // namespace
+
+TEST_CASE_TEMPLATE("skinny gemm: the SwiGLU epilogue has the bits of the plain GEMM and SiLU(gate)·up", T,
+                   medusa::bfloat16, medusa::half) {
+  for (const swiglu_shape& sh : swiglu_shapes()) {
+    CAPTURE(sh.columns);
+    CAPTURE(sh.k);
+    CAPTURE(sh.rows);
+    const gemm_case<T> c(2 * sh.columns, sh.k, sh.rows, sh.seed);
+    const gemm_case<T> s = swiglu_case(c, sh.columns);
+    const std::vector<T> fused = emulated_swiglu(s, sh.rows, sh.columns);
+    CHECK(same_bits(fused, swiglu_of<T>(emulated(s, sh.rows, false), sh.rows, s.n, sh.columns)));
+    // Rows of smaller passes: the same bits.
+    for (const int rows : {1, 3, 9}) {
+      if (rows >= sh.rows) continue;
+      CAPTURE(rows);
+      const std::vector<T> part = emulated_swiglu(s, rows, sh.columns);
+      CHECK(std::memcmp(part.data(), fused.data(), part.size() * sizeof(T)) == 0);
+    }
+  }
+}
+
+TEST_CASE("skinny gemm: SwiGLU plans and arguments are checked") {
+  CHECK_THROWS_AS((void)mk::plan_skinny_gemm({.n = 40, .k = 16, .rows = 1, .swiglu = true}), mc::launch_error);
+  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = 48, .k = 16, .rows = 1, .swiglu = true});
+  medusa::bfloat16 w[1], x[1], h[1];
+  mk::skinny_gemm_params<medusa::bfloat16> a{w, x, nullptr};
+  CHECK_FALSE(mk::skinny_gemm_args_ok(plan, a));  // no h
+  a.gated = h;
+  for (const int columns : {0, 16, 25}) {
+    a.gated_columns = columns;
+    CHECK_FALSE(mk::skinny_gemm_args_ok(plan, a));
+  }
+  for (const int columns : {17, 24}) {
+    a.gated_columns = columns;
+    CHECK(mk::skinny_gemm_args_ok(plan, a));
+  }
+  CHECK(mk::skinny_gemm_swiglu_features(17) == 48);
+  CHECK(mk::skinny_gemm_swiglu_source(0, 17) == 0);
+  CHECK(mk::skinny_gemm_swiglu_source(8, 17) == 17);
+  CHECK(mk::skinny_gemm_swiglu_source(23, 17) == 15);
+  CHECK(mk::skinny_gemm_swiglu_source(24, 17) == 17 + 8);
+  CHECK(mk::skinny_gemm_swiglu_source(32, 17) == 16);
+  CHECK(mk::skinny_gemm_swiglu_source(33, 17) == -1);
+  CHECK(mk::skinny_gemm_swiglu_source(40, 17) == 17 + 16);
+  CHECK(mk::skinny_gemm_swiglu_source(41, 17) == -1);
+}
 
 TEST_CASE_TEMPLATE("skinny gemm: every element within the tolerance of the exact product", T, medusa::bfloat16,
                    medusa::half) {

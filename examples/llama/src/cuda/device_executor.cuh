@@ -9,7 +9,8 @@
 // row's result then does not depend on how many rows share the pass, which greedy Medusa needs to
 // reproduce plain decoding bit for bit. Without it, cuBLASLt's heuristic picks per pass size.
 // With `library_gemm` (off by default) bf16/f16 GEMMs run the library's skinny GEMM instead
-// (cuda/skinny_gemm.cuh), batch-invariant by construction; f32 GEMMs stay on cuBLASLt.
+// (cuda/skinny_gemm.cuh), batch-invariant by construction, the FFN's W1/W3 GEMM with its SwiGLU
+// epilogue; f32 GEMMs stay on cuBLASLt.
 #pragma once
 
 #include <medusa_llama/errors.hpp>
@@ -92,6 +93,29 @@ class device_executor : public medusa::cuda::stream_executor {
     const cublasLtMatmulAlgo_t* algo = invariant_ ? &g.pinned : &l.algo;
     check_blas(cublasLtMatmul(lt_, g.desc, &alpha, w, g.a, x, l.b, &beta, y, l.c, y, l.c, algo, lt_ws_, lt_ws_bytes, stream()),
                "cublasLtMatmul");
+  }
+
+  // Whether `gemm_swiglu` runs for T: the library GEMM's SwiGLU epilogue, over the W1/W3 rows
+  // interleaved as `skinny_gemm_swiglu_source` says (the weights are uploaded so).
+  template <class T>
+  [[nodiscard]] bool fused_swiglu() const noexcept {
+    return library_ && !std::is_same_v<T, float>;
+  }
+
+  // h[rows][columns] = SiLU(X·W_gateᵀ) ⊙ (X·W_upᵀ) rounded to T, W interleaved (`fused_swiglu`).
+  template <class T>
+  void gemm_swiglu(const T* w, const T* x, T* h, int columns, int rows, int k) {
+    namespace mk = medusa::cuda::kernels;
+    mk::skinny_gemm_problem problem;
+    problem.n = mk::skinny_gemm_swiglu_features(columns);
+    problem.k = k;
+    problem.rows = rows;
+    problem.swiglu = true;
+    const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm(problem);
+    mk::skinny_gemm_params<T> a{w, x, nullptr};
+    a.gated = h;
+    a.gated_columns = columns;
+    check_cuda(medusa::cuda::run(plan, a, stream()), "skinny gemm (SwiGLU)");
   }
 
   template <class KV, class O>

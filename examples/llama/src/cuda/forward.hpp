@@ -11,6 +11,8 @@
 //   RMSNorm → X (T) → [Wq; Wk; Wv] GEMM → RoPE + K/V to the cache → attention (T out)
 //   → Wo GEMM (+= residual) → RMSNorm → [W1; W3] GEMM → SwiGLU (T) → W2 GEMM (+= residual)
 //
+// (the [W1; W3] GEMM and SwiGLU are one `gemm_swiglu` where the executor's `fused_swiglu<T>()`)
+//
 // then the final RMSNorm of the output rows (float hidden + T) and the classifier GEMM.
 #pragma once
 
@@ -19,6 +21,7 @@
 #include <medusa/cuda/kernels/attention.hpp>
 #include <medusa/cuda/executor.hpp>
 #include <medusa/cuda/kernels/batch_kv.hpp>
+#include <medusa/cuda/kernels/skinny_gemm.hpp>
 #include <medusa/cuda/launch.hpp>
 #include <medusa/half.hpp>
 
@@ -74,8 +77,26 @@ buffer<Exec> upload_stacked(Exec& ex, std::initializer_list<std::pair<const floa
   return upload_as<T>(ex, staging.data(), staging.size());
 }
 
-// The model's weights in executor memory: projections in T (fused [Wq; Wk; Wv] and [W1; W3]),
-// norms in float, RoPE tables as the CPU engine computes them.
+// [W1; W3] with the rows interleaved for the skinny GEMM's SwiGLU epilogue: groups of eight gate
+// rows and their eight up rows (`skinny_gemm_swiglu_source`), zero rows past the last column.
+template <class T, class Exec>
+buffer<Exec> upload_swiglu(Exec& ex, const float* w1, const float* w3, std::size_t hidden, std::size_t cols) {
+  namespace mk = medusa::cuda::kernels;
+  const int columns = static_cast<int>(hidden);
+  const std::size_t features = sz(mk::skinny_gemm_swiglu_features(columns));
+  std::vector<float> staging(features * cols, 0.0f);
+  for (std::size_t f = 0; f < features; ++f) {
+    const int src = mk::skinny_gemm_swiglu_source(static_cast<int>(f), columns);
+    if (src < 0) continue;
+    const float* row = src < columns ? w1 + sz(src) * cols : w3 + sz(src - columns) * cols;
+    std::copy(row, row + cols, staging.begin() + static_cast<std::ptrdiff_t>(f * cols));
+  }
+  return upload_as<T>(ex, staging.data(), staging.size());
+}
+
+// The model's weights in executor memory: projections in T (fused [Wq; Wk; Wv] and [W1; W3], the
+// latter interleaved where the executor fuses SwiGLU into its GEMM), norms in float, RoPE tables
+// as the CPU engine computes them.
 template <class Exec, class T>
 struct device_weights {
   struct layer {
@@ -84,10 +105,11 @@ struct device_weights {
   buffer<Exec> embedding, classifier, rms_final, rope_cos, rope_sin;
   std::vector<layer> layers;
   bool shared_classifier = true;
+  bool swiglu_w13 = false;  // w13 interleaved for `Exec::gemm_swiglu`
 
   model_config config;
 
-  device_weights(Exec& ex, const model& m) : config(m.config()) {
+  device_weights(Exec& ex, const model& m) : swiglu_w13(ex.template fused_swiglu<T>()), config(m.config()) {
     const model_config& c = m.config();
     const std::size_t d = sz(c.dim), kvd = sz(c.kv_dim()), H = sz(c.hidden_dim), V = sz(c.vocab_size);
     embedding = upload_as<T>(ex, m.token_embedding(), V * d);
@@ -101,7 +123,7 @@ struct device_weights {
       dl.wqkv = upload_stacked<T>(ex, {{w.wq, d}, {w.wk, kvd}, {w.wv, kvd}}, d);
       dl.wo = upload_as<T>(ex, w.wo, d * d);
       dl.rms_ffn = upload_as<float>(ex, w.rms_ffn, d);
-      dl.w13 = upload_stacked<T>(ex, {{w.w1, H}, {w.w3, H}}, d);
+      dl.w13 = swiglu_w13 ? upload_swiglu<T>(ex, w.w1, w.w3, H, d) : upload_stacked<T>(ex, {{w.w1, H}, {w.w3, H}}, d);
       dl.w2 = upload_as<T>(ex, w.w2, d * H);
       layers.push_back(std::move(dl));
     }
@@ -110,7 +132,8 @@ struct device_weights {
 
   // Random weights of `c`'s shape made on the device (benchmarks of real shapes without their
   // checkpoints): projections uniform in ±1/sqrt(inputs), the embedding in ±1, norms 1.
-  device_weights(Exec& ex, const model_config& c, std::uint64_t seed) : config(c) {
+  device_weights(Exec& ex, const model_config& c, std::uint64_t seed)
+      : swiglu_w13(ex.template fused_swiglu<T>()), config(c) {
     const std::size_t d = sz(c.dim), kvd = sz(c.kv_dim()), H = sz(c.hidden_dim), V = sz(c.vocab_size);
     std::uint64_t salt = seed * 0x2545F4914F6CDD1Dull + 1;
     auto fill = [&](buffer<Exec>& b, std::size_t n, float scale, auto element) {
@@ -131,7 +154,9 @@ struct device_weights {
       fill(dl.wqkv, (d + 2 * kvd) * d, in_d, T{});
       fill(dl.wo, d * d, in_d, T{});
       fill(dl.rms_ffn, d, 0.0f, float{});
-      fill(dl.w13, 2 * H * d, in_d, T{});
+      const std::size_t ffn_rows =
+          swiglu_w13 ? sz(medusa::cuda::kernels::skinny_gemm_swiglu_features(static_cast<int>(H))) : 2 * H;
+      fill(dl.w13, ffn_rows * d, in_d, T{});  // an interleaved W's pad rows (if any) are never read out
       fill(dl.w2, d * H, in_h, T{});
       layers.push_back(std::move(dl));
     }
@@ -201,7 +226,7 @@ class forward_core {
     xb_ = buffer<Exec>(ex, rows * d * sizeof(T));
     qkv_ = buffer<Exec>(ex, rows * sz(qkv_cols_) * sizeof(float));
     att_ = buffer<Exec>(ex, rows * d * sizeof(T));
-    gu_ = buffer<Exec>(ex, rows * 2 * H * sizeof(float));
+    if (!w_.swiglu_w13) gu_ = buffer<Exec>(ex, rows * 2 * H * sizeof(float));  // fused: no float gate/up
     h_ = buffer<Exec>(ex, rows * H * sizeof(T));
     // The attention workspace for the largest pass this engine runs.
     const mk::attention_plan worst = mk::plan_attention(problem(s.max_batch, s.max_tokens, std::min(s.max_tokens, s.max_context), mk::attention_mask_kind::tree));
@@ -269,8 +294,13 @@ class forward_core {
       ex_.gemm(w.wo.template as<const T>(), att_.template as<const T>(), x_.template as<float>(), d, n, d, true);
       ex_.launch(norm_rows, rmsnorm_body<T>{x_.template as<const float>(), w.rms_ffn.template as<const float>(), nullptr,
                                              xb_.template as<T>(), nullptr, d, c_.rms_eps});
-      ex_.gemm(w.w13.template as<const T>(), xb_.template as<const T>(), gu_.template as<float>(), 2 * H, n, d, false);
-      ex_.launch(elementwise_shape(n, H), swiglu_body<T>{gu_.template as<const float>(), h_.template as<T>(), H});
+      if (w_.swiglu_w13) {
+        if constexpr (!std::is_same_v<T, float>)
+          ex_.gemm_swiglu(w.w13.template as<const T>(), xb_.template as<const T>(), h_.template as<T>(), H, n, d);
+      } else {
+        ex_.gemm(w.w13.template as<const T>(), xb_.template as<const T>(), gu_.template as<float>(), 2 * H, n, d, false);
+        ex_.launch(elementwise_shape(n, H), swiglu_body<T>{gu_.template as<const float>(), h_.template as<T>(), H});
+      }
       ex_.gemm(w.w2.template as<const T>(), h_.template as<const T>(), x_.template as<float>(), d, n, H, true);
     }
     if (p.out_rows == 0 || (p.logits == nullptr && p.hidden == nullptr)) return;

@@ -51,6 +51,30 @@ class host_executor : public medusa::cuda::emulated_executor {
     }
   }
 
+  // Whether `gemm_swiglu` runs for T (as the device executor's, for the emulated GEMM's types).
+  template <class T>
+  [[nodiscard]] bool fused_swiglu() const noexcept {
+    return skinny_ && std::is_same_v<T, medusa::bfloat16>;
+  }
+
+  // h = SiLU(gate) ⊙ up through the emulated skinny GEMM's SwiGLU epilogue (W interleaved).
+  template <class T>
+  void gemm_swiglu(const T* w, const T* x, T* h, int columns, int rows, int k) {
+    if constexpr (std::is_same_v<T, medusa::bfloat16>) {
+      ++gemms_;
+      namespace mk = medusa::cuda::kernels;
+      const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm(
+          {.n = mk::skinny_gemm_swiglu_features(columns), .k = k, .rows = rows, .swiglu = true});
+      mk::skinny_gemm_params<T> a{w, x, nullptr};
+      a.gated = h;
+      a.gated_columns = columns;
+      if (!mk::skinny_gemm_args_ok(plan, a)) throw std::logic_error("host executor: SwiGLU GEMM arguments");
+      medusa::cuda::emulate(plan.launch, [&](auto& ctx) { mk::skinny_gemm(ctx, plan, a); });
+    } else {
+      throw std::logic_error("host executor: the emulated SwiGLU GEMM is bf16 only (fused_swiglu)");
+    }
+  }
+
   template <class KV, class O>
   void attention(const medusa::cuda::kernels::attention_plan& plan, medusa::cuda::kernels::attention_params<KV, O> a,
                  void* workspace, std::size_t bytes) {

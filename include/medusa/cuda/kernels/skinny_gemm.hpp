@@ -14,6 +14,13 @@
 //! 16-feature tiles (1 or 2): neither changes an element's arithmetic. There is no split of k
 //! across blocks and no switch of algorithm by size.
 //!
+//! **The SwiGLU epilogue** (`skinny_gemm_problem::swiglu`) fuses an FFN's gate and up projections
+//! with `h = SiLU(gate) ⊙ up`: W holds gate and up rows interleaved by eight
+//! (`skinny_gemm_swiglu_source` gives the layout), so each lane's accumulators hold a gate and its
+//! up, and the block writes `h` rounded to T, `[rows][gated_columns]`, instead of Y. The sums are
+//! those of the plain GEMM over the same W: the fused result has the bits of the plain GEMM
+//! followed by `store_float<T>(silu(gate) * up)`.
+//!
 //! W is streamed once per row group (`8 · row_tiles` rows) with 16-byte loads, four chunks in flight
 //! per warp; the pass's activations are re-read from L2 by every block. The tensor cores see W as A
 //! (16 features × 16 k) and X as B (16 k × 8 rows), so a single row wastes only B's other columns.
@@ -33,6 +40,7 @@
 #include <medusa/cuda/kernel_context.hpp>
 #include <medusa/cuda/launch.hpp>
 #include <medusa/half.hpp>
+#include <medusa/heads.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -54,6 +62,9 @@ struct skinny_gemm_problem {
   int n = 0;     //!< output features: W's rows, Y's columns
   int k = 0;     //!< the reduction: W's and X's columns
   int rows = 0;  //!< the pass's rows: X's and Y's rows
+  //! The SwiGLU epilogue: W's features are gate/up rows interleaved by eight
+  //! (`skinny_gemm_swiglu_source`), n a multiple of 16, and the run writes `h` instead of Y.
+  bool swiglu = false;
 };
 
 //! A validated GEMM and its launch (`plan_skinny_gemm`).
@@ -71,7 +82,23 @@ struct skinny_gemm_params {
   const T* x = nullptr;
   float* y = nullptr;
   bool accumulate = false;  //!< Y += X·Wᵀ (the residual add) instead of Y = X·Wᵀ
+  //! SwiGLU plans: `h = SiLU(gate) ⊙ up` rounded to T, `[rows][gated_columns]` (Y is not used).
+  T* gated = nullptr;
+  int gated_columns = 0;  //!< h's columns: at most n/2, more than n/2 - 8 (W's pad rows are zeros)
 };
+
+//! W's feature `feature` of a SwiGLU GEMM with `columns` outputs: in each group of 16 features,
+//! the first eight are gate rows `8·group + 0..7` and the last eight the matching up rows. Returns
+//! the row of the stacked `[gate; up]` matrix (`[2·columns][k]`: gate rows, then up rows) to place
+//! there, or -1 for a pad row (zeros) past the last column.
+[[nodiscard]] constexpr int skinny_gemm_swiglu_source(int feature, int columns) noexcept {
+  const int column = feature / 16 * 8 + feature % 8;
+  if (column >= columns) return -1;
+  return feature % 16 < 8 ? column : columns + column;
+}
+
+//! W's features for a SwiGLU GEMM with `columns` outputs (`columns` rounded up to 8, times 2).
+[[nodiscard]] constexpr int skinny_gemm_swiglu_features(int columns) noexcept { return 16 * ((columns + 7) / 8); }
 
 namespace detail {
 
@@ -132,6 +159,9 @@ MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool 
   if (p.n < 1 || p.k < 1 || p.rows < 1)
     skinny_gemm_fail(launch_errc::invalid_shape, "n, k and rows must be at least 1, got n " + std::to_string(p.n) +
                                                      ", k " + std::to_string(p.k) + ", rows " + std::to_string(p.rows));
+  if (p.swiglu && p.n % 16 != 0)
+    skinny_gemm_fail(launch_errc::invalid_shape, "a SwiGLU GEMM needs a multiple of 16 features (gate/up pairs "
+                                                 "interleaved by eight), got n " + std::to_string(p.n));
   skinny_gemm_plan plan;
   plan.problem = p;
   // Three instances: up to 8 rows, up to 32, more (each further instance costs every CUDA build
@@ -148,6 +178,16 @@ MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool 
                  .threads = skinny_gemm_threads,
                  .shared_bytes = detail::skinny_gemm_shared_bytes(plan.row_tiles, plan.feature_tiles)};
   return plan;
+}
+
+//! True when the arrays of `a` suit `plan`: W and X set, and Y, or for a SwiGLU plan `gated`
+//! with `gated_columns` in `(n/2 - 8, n/2]`.
+template <class T>
+[[nodiscard]] bool skinny_gemm_args_ok(const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a) noexcept {
+  if (a.w == nullptr || a.x == nullptr) return false;
+  if (!plan.problem.swiglu) return a.y != nullptr;
+  const int half = plan.problem.n / 2;
+  return a.gated != nullptr && a.gated_columns <= half && a.gated_columns > half - 8 && a.gated_columns > 0;
 }
 
 //! True when W and X allow 16-byte loads: k a multiple of 8 and both 16-byte aligned.
@@ -252,8 +292,22 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
     }
     ctx.sync();
   }
-  // The stores: thread e of the block writes elements e, e + 256, ... of the F × RT × 4 × 32 sums.
   constexpr int elements = F * RT * 4 * warp_size;
+  if (plan.problem.swiglu) {
+    // A lane's registers 0/1 are gate rows g, registers 2/3 the up rows g + 8 of the same rows of X.
+    for (int e = ctx.thread(); e < elements / 2; e += skinny_gemm_threads) {
+      const int l = e % warp_size, i = (e / warp_size) % 2, j = (e / (2 * warp_size)) % RT, f = e / (2 * warp_size * RT);
+      const int column = (feature0 + 16 * f) / 2 + mma_fragment::d_row(l, i);
+      const int row = row0 + 8 * j + mma_fragment::d_col(l, i);
+      if (column >= a.gated_columns || row >= rows) continue;
+      const float gate = partial[((f * RT + j) * 4 + i) * warp_size + l];
+      const float up = partial[((f * RT + j) * 4 + i + 2) * warp_size + l];
+      a.gated[static_cast<std::size_t>(row) * static_cast<std::size_t>(a.gated_columns) + static_cast<std::size_t>(column)] =
+          store_float<T>(medusa::silu(gate) * up);
+    }
+    return;
+  }
+  // The stores: thread e of the block writes elements e, e + 256, ... of the F × RT × 4 × 32 sums.
   for (int e = ctx.thread(); e < elements; e += skinny_gemm_threads) {
     const int l = e % warp_size, i = (e / warp_size) % 4, j = (e / (4 * warp_size)) % RT, f = e / (4 * warp_size * RT);
     const int feature = feature0 + 16 * f + mma_fragment::d_row(l, i);
