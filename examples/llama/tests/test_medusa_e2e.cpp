@@ -42,7 +42,7 @@ bool have(const std::filesystem::path& p) {
 
 void check_lossless(const std::filesystem::path& model_path, const std::filesystem::path& tokenizer_path,
                     const std::vector<std::string>& prompts, const std::vector<std::string>& trees, int new_tokens,
-                    medusa_llama::weight_format weights = medusa_llama::weight_format::f32) {
+                    medusa_llama::weight_format weights = medusa_llama::weight_format::f32, int threads = 2) {
   auto lm = medusa_llama::load(model_path, tokenizer_path);
   const int eos = lm.tok->eos_id();
   std::vector<std::vector<std::int32_t>> encoded;
@@ -54,7 +54,7 @@ void check_lossless(const std::filesystem::path& model_path, const std::filesyst
   auto heads_w = medusa_llama::random_heads(lm.weights, 5, 17);
   medusa_llama::engine_options eo;
   eo.max_batch = 64;
-  eo.threads = 2;
+  eo.threads = threads;
   eo.weights = weights;
   medusa_llama::engine model(std::move(lm.weights), eo);
   medusa_llama::packed_heads heads(model, heads_w.view(), medusa_llama::weight_format::f32);
@@ -100,7 +100,9 @@ TEST_CASE("stories260K: greedy Medusa equals greedy, every preset") {
   trees.push_back(small_tree);
   // Its tokenizer has another name than tokenizer.bin: without --tokenizer loading fails clearly.
   CHECK_THROWS_AS(medusa_llama::load(path), medusa::io_error);
-  check_lossless(path, models / "stories260K" / "tok512.bin", {"", "Once upon a time", "The cat"}, trees, 256);
+  // One thread: a second one only waits on a model this small (pycode-15m below runs two).
+  check_lossless(path, models / "stories260K" / "tok512.bin", {"", "Once upon a time", "The cat"}, trees, 256,
+                 medusa_llama::weight_format::f32, 1);
 }
 
 TEST_CASE("pycode-15m: greedy Medusa equals greedy") {
@@ -113,7 +115,8 @@ TEST_CASE("pycode-15m: greedy Medusa equals greedy") {
 TEST_CASE("tinystories-656K (Hugging Face layout): greedy Medusa equals greedy") {
   const auto path = models / "tinystories-656K";
   if (!have(path / "model.safetensors")) return;
-  check_lossless(path, {}, {"", "Once upon a time, there was a"}, {"vicuna_7b_stage2", "zephyr_stage2", small_tree}, 256);
+  check_lossless(path, {}, {"", "Once upon a time, there was a"}, {"vicuna_7b_stage2", "zephyr_stage2", small_tree}, 256,
+                 medusa_llama::weight_format::f32, 1);
 }
 
 TEST_CASE("pycode-15m: greedy Medusa equals greedy decoding of the same bf16, q8_0 and q4_0 weights") {
