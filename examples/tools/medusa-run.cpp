@@ -209,7 +209,7 @@ int main(int argc, char** argv) {
            a.cuda_gemm = v;
          },
          "--device cuda: invariant (one cuBLASLt algorithm per shape; default), library (the library's "
-         "batch-invariant skinny GEMM for f16/bf16, as invariant for f32) or fast (cuBLASLt's choice per pass "
+         "batch-invariant skinny GEMM for f16/bf16, heads and SwiGLU included; as invariant for f32) or fast (cuBLASLt's choice per pass "
          "size); invariant and library make Medusa reproduce plain decoding bit for bit");
   return medusa_tools::run_tool(app, argc, argv, [&] { return medusa_run::run(a); });
 }

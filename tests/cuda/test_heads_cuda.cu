@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -116,8 +117,8 @@ std::vector<float> cpu_logits(const medusa::head_stack<>& heads, const std::vect
 }
 
 // One shape: random heads exact in `source` dtype, uploaded as T, logits as Logit; checks the
-// device logits against the CPU's within `tol`.
-template <class T, class Logit>
+// device logits against the CPU's within `tol`. `Skinny`: through `run_skinny_gemm`.
+template <class T, class Logit, bool Skinny = false>
 void check_against_cpu(cublasHandle_t blas, std::size_t d, std::size_t V, std::size_t K, std::size_t L, projection_kind kind, std::size_t M,
                        medusa::weight_dtype source, double tol, std::uint64_t seed) {
   CAPTURE(name_of<T>());
@@ -129,6 +130,7 @@ void check_against_cpu(cublasHandle_t blas, std::size_t d, std::size_t V, std::s
   CAPTURE(medusa::to_string(kind));
   CAPTURE(M);
   CAPTURE(medusa::to_string(source));
+  CAPTURE(Skinny);
   heads_test::random_heads rh(d, V, K, L, kind, source, seed);
   const auto cpu = rh.make<medusa::head_stack<>>();
   const auto hidden = random_hidden<T>(M * d, seed + 1);
@@ -141,7 +143,11 @@ void check_against_cpu(cublasHandle_t blas, std::size_t d, std::size_t V, std::s
   device_array<unsigned char> ws(plan.workspace_bytes);
   d_hidden.upload(hidden);
   mc::check(cudaMemset(d_logits.get(), 0xff, M * K * V * sizeof(Logit)), "cudaMemset");  // NaN until written
-  mc::check(dev.run(plan, d_hidden.get(), d_logits.get(), ws.get(), plan.workspace_bytes, blas, nullptr), "device_heads::run");
+  if constexpr (Skinny)
+    mc::check(dev.run_skinny_gemm(plan, d_hidden.get(), d_logits.get(), ws.get(), plan.workspace_bytes, nullptr),
+              "device_heads::run_skinny_gemm");
+  else
+    mc::check(dev.run(plan, d_hidden.get(), d_logits.get(), ws.get(), plan.workspace_bytes, blas, nullptr), "device_heads::run");
   mc::check(cudaDeviceSynchronize(), "sync");
   const auto got = to_float(d_logits.download());
   const auto c = compare(got, ref, V);
@@ -171,7 +177,8 @@ void check_shapes(cublasHandle_t blas) {
       for (auto kind : {projection_kind::per_head, projection_kind::shared_lm_head})
         for (std::size_t M : {1, 3, 8}) {
           const std::size_t K = M == 3 ? 5 : 4;
-          check_against_cpu<T, float>(blas, d, 1000, K, L, kind, M, medusa::dtype_of<T>, bound<T>(L), seed++);
+          check_against_cpu<T, float>(blas, d, 1000, K, L, kind, M, medusa::dtype_of<T>, bound<T>(L), seed);
+          check_against_cpu<T, float, true>(blas, d, 1000, K, L, kind, M, medusa::dtype_of<T>, bound<T>(L), seed++);
         }
   // 16-bit logits: one more rounding.
   check_against_cpu<T, T>(blas, 256, 1000, 4, 1, projection_kind::per_head, 3, medusa::dtype_of<T>, bound<T>(1) + u, seed++);
@@ -188,6 +195,32 @@ TEST_CASE("device heads match the CPU heads (bf16)") {
 TEST_CASE("device heads match the CPU heads (f16)") {
   cublas_handle blas;
   check_shapes<medusa::half>(blas.handle);
+}
+
+TEST_CASE("device heads on the skinny GEMM: a hidden state's logits have the same bits in runs of 1 to 9 states") {
+  for (auto kind : {projection_kind::per_head, projection_kind::shared_lm_head})
+    for (std::size_t L : {0, 1, 2}) {
+      CAPTURE(medusa::to_string(kind));
+      CAPTURE(L);
+      const std::size_t d = 256, V = 1000, K = 4, most = 9;
+      heads_test::random_heads rh(d, V, K, L, kind, medusa::weight_dtype::bf16, 300 + L);
+      const mc::device_heads<medusa::bfloat16> dev(rh.make<medusa::head_stack<>>());
+      device_array<medusa::bfloat16> hidden(most * d);
+      hidden.upload(random_hidden<medusa::bfloat16>(most * d, 400 + L));
+      std::vector<float> all;
+      for (std::size_t M = most; M >= 1; --M) {
+        CAPTURE(M);
+        const auto plan = dev.plan(M);
+        device_array<float> logits(M * K * V);
+        device_array<unsigned char> ws(plan.workspace_bytes);
+        mc::check(dev.run_skinny_gemm(plan, hidden.get(), logits.get(), ws.get(), plan.workspace_bytes, nullptr),
+                  "run_skinny_gemm");
+        mc::check(cudaDeviceSynchronize(), "sync");
+        const std::vector<float> got = logits.download();
+        if (M == most) all = got;
+        else CHECK(std::memcmp(got.data(), all.data(), got.size() * sizeof(float)) == 0);
+      }
+    }
 }
 
 TEST_CASE("device heads convert f32 and other 16-bit checkpoints on upload") {
@@ -265,6 +298,8 @@ TEST_CASE("device heads refuse bad arguments without launching") {
   CHECK(invalid(dev.run(plan, hidden.get(), static_cast<float*>(nullptr), ws.get(), plan.workspace_bytes, blas.handle, nullptr)));
   CHECK(invalid(dev.run(plan, hidden.get(), logits.get(), nullptr, plan.workspace_bytes, blas.handle, nullptr)));
   CHECK(invalid(dev.run(plan, hidden.get(), logits.get(), ws.get(), plan.workspace_bytes - 1, blas.handle, nullptr)));
+  CHECK(invalid(dev.run_skinny_gemm(plan, nullptr, logits.get(), ws.get(), plan.workspace_bytes, nullptr)));
+  CHECK(invalid(dev.run_skinny_gemm(plan, hidden.get(), logits.get(), ws.get(), plan.workspace_bytes - 1, nullptr)));
   CHECK(invalid(dev.run(plan, hidden.get(), logits.get(), ws.get(), plan.workspace_bytes, nullptr, nullptr)));
   heads_test::random_heads other(64, 100, 3, 1, projection_kind::per_head, medusa::weight_dtype::bf16, 4);
   const mc::device_heads<medusa::bfloat16> three(other.make<medusa::head_stack<>>());

@@ -71,6 +71,63 @@ TEST_CASE_TEMPLATE("skinny gemm: the SwiGLU epilogue has the bits of the plain G
   }
 }
 
+TEST_CASE("skinny gemm: a batch of GEMMs over strided arrays has the bits of each GEMM alone") {
+  // Three GEMMs of 40 features, k = 48, 11 rows: W per GEMM or shared, X per GEMM or shared, X and
+  // Y rows with strides (X's an odd one: element-wise loads, the same bits).
+  const int n = 40, k = 48, rows = 11, batch = 3;
+  for (const bool shared_w : {false, true})
+    for (const std::int64_t ldx : {std::int64_t{0}, std::int64_t{56}, std::int64_t{53}}) {
+      CAPTURE(shared_w);
+      CAPTURE(ldx);
+      std::vector<gemm_case<medusa::bfloat16>> cases;
+      for (int i = 0; i < batch; ++i) cases.emplace_back(n, k, rows, 60 + static_cast<std::uint32_t>(i));
+      if (shared_w)
+        for (auto& c : cases) c.w = cases[0].w;
+      const std::int64_t lx = ldx == 0 ? k : ldx, ly = n + 3;
+      std::vector<medusa::bfloat16> w, x(static_cast<std::size_t>(batch * rows * lx), medusa::bfloat16(0.0f));
+      for (const auto& c : cases) w.insert(w.end(), c.w.begin(), c.w.end());
+      for (int i = 0; i < batch; ++i)
+        for (int r = 0; r < rows; ++r)
+          std::memcpy(&x[static_cast<std::size_t>((i * rows + r) * lx)], &cases[i].x[static_cast<std::size_t>(r) * k],
+                      k * sizeof(medusa::bfloat16));
+      std::vector<float> y(static_cast<std::size_t>(batch * rows * ly), -7.0f);
+      const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = n, .k = k, .rows = rows, .batch = batch});
+      mk::skinny_gemm_params<medusa::bfloat16> a{w.data(), x.data(), y.data()};
+      a.ldx = ldx;
+      a.ldy = ly;
+      a.stride_w = shared_w ? 0 : std::int64_t{n} * k;
+      a.stride_x = rows * lx;
+      a.stride_y = rows * ly;
+      REQUIRE(mk::skinny_gemm_args_ok(plan, a));
+      CHECK(mk::skinny_gemm_aligned(plan, a) == (lx % 8 == 0));
+      mc::emulate(plan.launch, [&](auto& ctx) { mk::skinny_gemm(ctx, plan, a); });
+      for (int i = 0; i < batch; ++i) {
+        CAPTURE(i);
+        const std::vector<float> alone = emulated(cases[static_cast<std::size_t>(i)], rows, false);
+        for (int r = 0; r < rows; ++r) {
+          const float* got = &y[static_cast<std::size_t>((i * rows + r) * ly)];
+          CHECK(std::memcmp(got, &alone[static_cast<std::size_t>(r) * n], n * sizeof(float)) == 0);
+          CHECK(got[n] == -7.0f);  // the stride's gap is left alone
+        }
+      }
+    }
+  mk::skinny_gemm_params<medusa::bfloat16> bad{nullptr, nullptr, nullptr};
+  medusa::bfloat16 e[1];
+  float f[1];
+  bad.w = e;
+  bad.x = e;
+  bad.y = f;
+  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = 16, .k = 32, .rows = 2, .batch = 2});
+  CHECK(mk::skinny_gemm_args_ok(plan, bad));
+  bad.ldx = 31;  // shorter than a row
+  CHECK_FALSE(mk::skinny_gemm_args_ok(plan, bad));
+  bad.ldx = 0;
+  bad.stride_y = -1;
+  CHECK_FALSE(mk::skinny_gemm_args_ok(plan, bad));
+  CHECK_THROWS_AS((void)mk::plan_skinny_gemm({.n = 16, .k = 32, .rows = 2, .batch = 0}), mc::launch_error);
+  CHECK_THROWS_AS((void)mk::plan_skinny_gemm({.n = 32, .k = 32, .rows = 2, .batch = 2, .swiglu = true}), mc::launch_error);
+}
+
 TEST_CASE("skinny gemm: SwiGLU plans and arguments are checked") {
   CHECK_THROWS_AS((void)mk::plan_skinny_gemm({.n = 40, .k = 16, .rows = 1, .swiglu = true}), mc::launch_error);
   const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = 48, .k = 16, .rows = 1, .swiglu = true});

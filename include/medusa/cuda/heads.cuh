@@ -8,7 +8,9 @@
 //! - `run(plan, params, stream)` launches the epilogue alone.
 //! - `device_heads<T>` holds device copies of a `head_stack`'s weights in `T` (uploading is setup:
 //!   it allocates and copies), `plan(batch)` sizes the workspace, and `run` computes the logits of
-//!   a batch with no allocation and no synchronisation, so it can be captured in a CUDA graph.
+//!   a batch with no allocation and no synchronisation, so it can be captured in a CUDA graph;
+//!   `run_skinny_gemm` does the same with the library's skinny GEMM (`cuda/skinny_gemm.cuh`) in
+//!   place of cuBLAS (f16/bf16 heads, f32 logits).
 //!
 //! Per step, with M hidden states, K heads, L layers (activations [M][K][d] in the workspace):
 //!
@@ -36,6 +38,7 @@
 #include <medusa/cuda/kernel_context.hpp>
 #include <medusa/cuda/kernels/head_epilogue.hpp>
 #include <medusa/cuda/launch.hpp>
+#include <medusa/cuda/skinny_gemm.cuh>
 #include <medusa/dtype.hpp>
 #include <medusa/error.hpp>
 #include <medusa/gemm.hpp>
@@ -181,6 +184,29 @@ inline cublasStatus_t run_linear(cublasHandle_t handle, const linear_gemm& g) no
                                     g.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
+// One `linear_gemm` with f32 output on the library's skinny GEMM (T = the weights' type).
+template <class T>
+cudaError_t run_linear_skinny(const linear_gemm& g, cudaStream_t stream) noexcept {
+  kernels::skinny_gemm_problem p;
+  p.n = g.n_out;
+  p.k = g.k;
+  p.rows = g.rows;
+  p.batch = g.batch;
+  kernels::skinny_gemm_plan plan;
+  try {
+    plan = kernels::plan_skinny_gemm(p);
+  } catch (const launch_error&) {
+    return cudaErrorInvalidValue;
+  }
+  kernels::skinny_gemm_params<T> a{static_cast<const T*>(g.w), static_cast<const T*>(g.x), static_cast<float*>(g.y)};
+  a.ldx = g.ld_x;
+  a.ldy = g.ld_y;
+  a.stride_w = g.stride_w;
+  a.stride_x = g.stride_x;
+  a.stride_y = g.stride_y;
+  return cuda::run(plan, a, stream);
+}
+
 // Host pointer mode (for the scalars 1 and 0) for the duration of a run; the caller's mode after.
 class host_pointer_mode {
  public:
@@ -278,7 +304,36 @@ class device_heads {
     requires(std::is_same_v<Logit, float> || std::is_same_v<Logit, T>)
   blas_status run(const device_heads_plan& plan, const T* hidden, Logit* logits, void* workspace, std::size_t workspace_bytes,
                   cublasHandle_t handle, cudaStream_t stream) const noexcept {
-    if (hidden == nullptr || logits == nullptr || handle == nullptr || plan.batch == 0) return {cudaErrorInvalidValue};
+    if (handle == nullptr) return {cudaErrorInvalidValue};
+    cudaStream_t bound = nullptr;
+    if (const cublasStatus_t s = cublasGetStream(handle, &bound); s != CUBLAS_STATUS_SUCCESS) return {cudaSuccess, s};
+    if (bound != stream)
+      if (const cublasStatus_t s = cublasSetStream(handle, stream); s != CUBLAS_STATUS_SUCCESS) return {cudaSuccess, s};
+    const detail::host_pointer_mode mode(handle);
+    if (mode.status() != CUBLAS_STATUS_SUCCESS) return {cudaSuccess, mode.status()};
+    return forward(plan, hidden, logits, workspace, workspace_bytes, stream, [&](const detail::linear_gemm& g) -> blas_status {
+      return {cudaSuccess, detail::run_linear(handle, g)};
+    });
+  }
+
+  //! The same logits with every GEMM on the library's skinny GEMM (`cuda/skinny_gemm.cuh`) instead
+  //! of cuBLAS: no handle, and a hidden state's logits do not depend on how many share the run.
+  //! f16/bf16 heads and f32 logits only. Returns as `run`.
+  template <class Logit>
+    requires(!std::is_same_v<T, float> && std::is_same_v<Logit, float>)
+  blas_status run_skinny_gemm(const device_heads_plan& plan, const T* hidden, Logit* logits, void* workspace,
+                              std::size_t workspace_bytes, cudaStream_t stream) const noexcept {
+    return forward(plan, hidden, logits, workspace, workspace_bytes, stream, [&](const detail::linear_gemm& g) -> blas_status {
+      return {detail::run_linear_skinny<T>(g, stream)};
+    });
+  }
+
+ private:
+  // The ResBlocks and projections, each GEMM through `gemm(linear_gemm) -> blas_status`.
+  template <class Logit, class Gemm>
+  blas_status forward(const device_heads_plan& plan, const T* hidden, Logit* logits, void* workspace,
+                      std::size_t workspace_bytes, cudaStream_t stream, Gemm&& gemm) const noexcept {
+    if (hidden == nullptr || logits == nullptr || plan.batch == 0) return {cudaErrorInvalidValue};
     if (plan.hidden != d_ || plan.vocab != v_ || plan.heads != k_ || plan.layers != l_) return {cudaErrorInvalidValue};
     const std::size_t rows = plan.batch * k_;
     workspace_carver carve(workspace, workspace_bytes);
@@ -289,13 +344,6 @@ class device_heads {
       y = carve.template take<float>(rows * d_);
       if (!carve.ok() || plan.workspace_bytes > workspace_bytes) return {cudaErrorInvalidValue};
     }
-    cudaStream_t bound = nullptr;
-    if (const cublasStatus_t s = cublasGetStream(handle, &bound); s != CUBLAS_STATUS_SUCCESS) return {cudaSuccess, s};
-    if (bound != stream)
-      if (const cublasStatus_t s = cublasSetStream(handle, stream); s != CUBLAS_STATUS_SUCCESS) return {cudaSuccess, s};
-    const detail::host_pointer_mode mode(handle);
-    if (mode.status() != CUBLAS_STATUS_SUCCESS) return {cudaSuccess, mode.status()};
-
     constexpr cudaDataType_t t_type = detail::cuda_data_type<T>;
     const int M = static_cast<int>(plan.batch), K = static_cast<int>(k_), d = static_cast<int>(d_), V = static_cast<int>(v_);
     const long long dd = static_cast<long long>(d_) * static_cast<long long>(d_);
@@ -305,7 +353,7 @@ class device_heads {
         g = detail::linear_gemm{K * d, M, d, weight(0), t_type, 0, hidden, t_type, d, 0, y, CUDA_R_32F, K * d, 0, 1};
       else  // head k reads its own x_k: K GEMMs batched
         g = detail::linear_gemm{d, M, d, weight(l), t_type, dd, x, t_type, K * d, d, y, CUDA_R_32F, K * d, d, K};
-      if (const cublasStatus_t s = detail::run_linear(handle, g); s != CUBLAS_STATUS_SUCCESS) return {cudaSuccess, s};
+      if (const blas_status s = gemm(g); !s.ok()) return s;
       kernels::head_epilogue_params<T, float> e;
       e.linear = y;
       e.bias = bias(l);
@@ -331,11 +379,9 @@ class device_heads {
       g = detail::linear_gemm{V, M, d, projection(), t_type, vd, in, t_type, K * d, d, logits, logit_type, K * V, V, K};
     else
       g = detail::linear_gemm{V, M, d, projection(), t_type, vd, in, t_type, d, 0, logits, logit_type, K * V, V, K};
-    if (const cublasStatus_t s = detail::run_linear(handle, g); s != CUBLAS_STATUS_SUCCESS) return {cudaSuccess, s};
-    return {};
+    return gemm(g);
   }
 
- private:
   T* weight(std::size_t l) const noexcept { return static_cast<T*>(weights_.get()) + l * k_ * d_ * d_; }
   float* bias(std::size_t l) const noexcept { return static_cast<float*>(biases_.get()) + l * k_ * d_; }
   T* projection() const noexcept { return static_cast<T*>(projections_.get()); }

@@ -2,8 +2,8 @@
 //! @file cuda/stream_executor.cuh
 //! The `device_step` executor on a CUDA device: device memory, one non-blocking stream, kernel
 //! bodies as `__global__` functions, the step's kernels through `step_kernels<runtime_tree, float>`
-//! (compiled in `medusa::cuda_kernels`), the heads through `device_heads` and cuBLAS, and CUDA
-//! graphs. Nothing here allocates or synchronises once a step is captured: the `make_*` calls make
+//! (compiled in `medusa::cuda_kernels`), the heads through `device_heads` and cuBLAS (or the skinny
+//! GEMM: `set_skinny_gemm_heads`), and CUDA graphs. Nothing here allocates or synchronises once a step is captured: the `make_*` calls make
 //! the plans and workspaces beforehand. Failures throw `cuda_error`, `cublas_error` or
 //! `launch_error`. An engine derives from it to add its forward's GEMMs and attention.
 //!
@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -162,8 +163,18 @@ class stream_executor {
   }
   template <class T>
   void heads(heads_op<T>& op, const T* hidden, float* logits) {
+    if constexpr (!std::is_same_v<T, float>) {
+      if (skinny_heads_) {
+        check(op.heads->run_skinny_gemm(op.plan, hidden, logits, op.workspace.get(), op.plan.workspace_bytes, stream_),
+              "heads (skinny GEMM)");
+        return;
+      }
+    }
     check(op.heads->run(op.plan, hidden, logits, op.workspace.get(), op.plan.workspace_bytes, blas_, stream_), "heads");
   }
+  //! Runs f16/bf16 heads on the library's skinny GEMM (`device_heads::run_skinny_gemm`) instead of
+  //! cuBLAS (f32 heads stay on cuBLAS). Off by default.
+  void set_skinny_gemm_heads(bool on) noexcept { skinny_heads_ = on; }
 
   void kv_commit(const kernels::kv_commit_params& params) {
     check(run(kernels::plan_kv_commit(params), params, stream_), "kv commit");
@@ -221,6 +232,7 @@ class stream_executor {
  private:
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
+  bool skinny_heads_ = false;
   std::string name_;
   int sms_ = 132;
 };

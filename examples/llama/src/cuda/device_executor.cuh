@@ -10,7 +10,8 @@
 // reproduce plain decoding bit for bit. Without it, cuBLASLt's heuristic picks per pass size.
 // With `library_gemm` (off by default) bf16/f16 GEMMs run the library's skinny GEMM instead
 // (cuda/skinny_gemm.cuh), batch-invariant by construction, the FFN's W1/W3 GEMM with its SwiGLU
-// epilogue; f32 GEMMs stay on cuBLASLt.
+// epilogue, and so do the Medusa heads' (`device_heads::run_skinny_gemm`); f32 GEMMs stay on
+// cuBLAS(Lt).
 #pragma once
 
 #include <medusa_llama/errors.hpp>
@@ -60,6 +61,7 @@ class device_executor : public medusa::cuda::stream_executor {
   // `max_rows`: the most rows a GEMM will have (the pinned algorithms are chosen for it).
   device_executor(int device, int max_rows, bool batch_invariant, bool library_gemm)
       : stream_executor(device), max_rows_(max_rows), invariant_(batch_invariant), library_(library_gemm) {
+    set_skinny_gemm_heads(library_gemm);  // the Medusa heads' GEMMs as well
     check_blas(cublasLtCreate(&lt_), "cublasLtCreate");
     check_cuda(cudaMalloc(&lt_ws_, lt_ws_bytes), "cudaMalloc (cuBLASLt workspace)");
     check_cuda(cudaMalloc(&blas_ws_, blas_ws_bytes), "cudaMalloc (cuBLAS workspace)");

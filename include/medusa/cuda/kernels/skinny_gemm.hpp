@@ -14,6 +14,10 @@
 //! 16-feature tiles (1 or 2): neither changes an element's arithmetic. There is no split of k
 //! across blocks and no switch of algorithm by size.
 //!
+//! X and Y may have row strides, and one launch may run a batch of GEMMs of the same sizes over
+//! strided W, X and Y (`skinny_gemm_problem::batch`: the Medusa heads, one per head); neither
+//! changes an element's arithmetic.
+//!
 //! **The SwiGLU epilogue** (`skinny_gemm_problem::swiglu`) fuses an FFN's gate and up projections
 //! with `h = SiLU(gate) ⊙ up`: W holds gate and up rows interleaved by eight
 //! (`skinny_gemm_swiglu_source` gives the layout), so each lane's accumulators hold a gate and its
@@ -62,6 +66,9 @@ struct skinny_gemm_problem {
   int n = 0;     //!< output features: W's rows, Y's columns
   int k = 0;     //!< the reduction: W's and X's columns
   int rows = 0;  //!< the pass's rows: X's and Y's rows
+  //! Independent GEMMs of these sizes in one launch, the arrays of GEMM i advanced by the params'
+  //! batch strides (the Medusa heads: one ResBlock or projection per head).
+  int batch = 1;
   //! The SwiGLU epilogue: W's features are gate/up rows interleaved by eight
   //! (`skinny_gemm_swiglu_source`), n a multiple of 16, and the run writes `h` instead of Y.
   bool swiglu = false;
@@ -72,10 +79,12 @@ struct skinny_gemm_plan {
   skinny_gemm_problem problem;
   int row_tiles = 0;      //!< 8-row column tiles of B per block: 1 (up to 8 rows), 4 (up to 32) or 16
   int feature_tiles = 0;  //!< 16-feature tiles of A per block: 1 or 2
-  launch_shape launch;    //!< grid (n / 16·feature_tiles, rows / 8·row_tiles), 256 threads
+  launch_shape launch;    //!< grid (n / 16·feature_tiles, rows / 8·row_tiles · batch), 256 threads
 };
 
-//! The arrays of one run: W `[n][k]`, X `[rows][k]`, Y `[rows][n]`, all contiguous.
+//! The arrays of one run: W `[n][k]` (rows contiguous), X `[rows][k]` and Y `[rows][n]` with row
+//! strides `ldx`, `ldy` (0: contiguous); GEMM i of a batch reads `w + i·stride_w`,
+//! `x + i·stride_x` and writes `y + i·stride_y` (a stride may be 0: a W or X shared by the batch).
 template <class T>
 struct skinny_gemm_params {
   const T* w = nullptr;
@@ -85,6 +94,11 @@ struct skinny_gemm_params {
   //! SwiGLU plans: `h = SiLU(gate) ⊙ up` rounded to T, `[rows][gated_columns]` (Y is not used).
   T* gated = nullptr;
   int gated_columns = 0;  //!< h's columns: at most n/2, more than n/2 - 8 (W's pad rows are zeros)
+  std::int64_t ldx = 0;       //!< elements between rows of X (0: k)
+  std::int64_t ldy = 0;       //!< elements between rows of Y (0: n)
+  std::int64_t stride_w = 0;  //!< elements between the W of consecutive GEMMs of a batch
+  std::int64_t stride_x = 0;  //!< ... of X
+  std::int64_t stride_y = 0;  //!< ... of Y
 };
 
 //! W's feature `feature` of a SwiGLU GEMM with `columns` outputs: in each group of 16 features,
@@ -156,9 +170,12 @@ MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool 
 //! @throws launch_error `invalid_shape`: a size below 1, or a grid beyond the device's limits
 [[nodiscard]] inline skinny_gemm_plan plan_skinny_gemm(const skinny_gemm_problem& p) {
   using detail::skinny_gemm_fail;
-  if (p.n < 1 || p.k < 1 || p.rows < 1)
-    skinny_gemm_fail(launch_errc::invalid_shape, "n, k and rows must be at least 1, got n " + std::to_string(p.n) +
-                                                     ", k " + std::to_string(p.k) + ", rows " + std::to_string(p.rows));
+  if (p.n < 1 || p.k < 1 || p.rows < 1 || p.batch < 1)
+    skinny_gemm_fail(launch_errc::invalid_shape, "n, k, rows and batch must be at least 1, got n " + std::to_string(p.n) +
+                                                     ", k " + std::to_string(p.k) + ", rows " + std::to_string(p.rows) +
+                                                     ", batch " + std::to_string(p.batch));
+  if (p.swiglu && p.batch != 1)
+    skinny_gemm_fail(launch_errc::unsupported, "the SwiGLU epilogue runs one GEMM, not a batch of " + std::to_string(p.batch));
   if (p.swiglu && p.n % 16 != 0)
     skinny_gemm_fail(launch_errc::invalid_shape, "a SwiGLU GEMM needs a multiple of 16 features (gate/up pairs "
                                                  "interleaved by eight), got n " + std::to_string(p.n));
@@ -169,7 +186,8 @@ MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool 
   plan.row_tiles = p.rows <= 8 ? 1 : p.rows <= 32 ? 4 : skinny_gemm_max_row_tiles;
   plan.feature_tiles = detail::skinny_gemm_feature_tiles(plan.row_tiles);
   const std::int64_t grid_x = (std::int64_t{p.n} + 16 * plan.feature_tiles - 1) / (16 * plan.feature_tiles);
-  const std::int64_t grid_y = (std::int64_t{p.rows} + 8 * plan.row_tiles - 1) / (8 * plan.row_tiles);
+  const std::int64_t grid_y =
+      (std::int64_t{p.rows} + 8 * plan.row_tiles - 1) / (8 * plan.row_tiles) * std::int64_t{p.batch};
   if (grid_x > std::numeric_limits<int>::max() || grid_y > 65535)
     skinny_gemm_fail(launch_errc::invalid_shape, "grid of " + std::to_string(grid_x) + " x " + std::to_string(grid_y) +
                                                      " blocks is beyond the device's limits");
@@ -180,25 +198,30 @@ MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool 
   return plan;
 }
 
-//! True when the arrays of `a` suit `plan`: W and X set, and Y, or for a SwiGLU plan `gated`
-//! with `gated_columns` in `(n/2 - 8, n/2]`.
+//! True when the arrays of `a` suit `plan`: W and X set; row strides 0 or at least a row; batch
+//! strides not negative; and Y, or for a SwiGLU plan `gated` with `gated_columns` in
+//! `(n/2 - 8, n/2]`.
 template <class T>
 [[nodiscard]] bool skinny_gemm_args_ok(const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a) noexcept {
   if (a.w == nullptr || a.x == nullptr) return false;
+  if ((a.ldx != 0 && a.ldx < plan.problem.k) || (a.ldy != 0 && a.ldy < plan.problem.n)) return false;
+  if (a.stride_w < 0 || a.stride_x < 0 || a.stride_y < 0) return false;
   if (!plan.problem.swiglu) return a.y != nullptr;
   const int half = plan.problem.n / 2;
   return a.gated != nullptr && a.gated_columns <= half && a.gated_columns > half - 8 && a.gated_columns > 0;
 }
 
-//! True when W and X allow 16-byte loads: k a multiple of 8 and both 16-byte aligned.
+//! True when W and X allow 16-byte loads: k, X's row stride and the batch strides of W and X
+//! multiples of 8, W and X 16-byte aligned.
 template <class T>
 [[nodiscard]] bool skinny_gemm_aligned(const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a) noexcept {
-  return plan.problem.k % 8 == 0 && (reinterpret_cast<std::uintptr_t>(a.w) & 15u) == 0 &&
-         (reinterpret_cast<std::uintptr_t>(a.x) & 15u) == 0;
+  return plan.problem.k % 8 == 0 && a.ldx % 8 == 0 && a.stride_w % 8 == 0 && a.stride_x % 8 == 0 &&
+         (reinterpret_cast<std::uintptr_t>(a.w) & 15u) == 0 && (reinterpret_cast<std::uintptr_t>(a.x) & 15u) == 0;
 }
 
 //! The kernel body: block (x, y) computes features `[16·F·x, 16·F·(x+1))` of rows
-//! `[8·RT·y, 8·RT·(y+1))`. `RT`, `F` are the plan's tiles; `aligned` is `skinny_gemm_aligned`.
+//! `[8·RT·g, 8·RT·(g+1))` of GEMM `y / groups` of the batch, `g = y mod groups` (`groups` the row
+//! groups of one GEMM). `RT`, `F` are the plan's tiles; `aligned` is `skinny_gemm_aligned`.
 template <int RT, int F, class T, class Ctx>
 MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a,
                                        bool aligned) {
@@ -208,7 +231,13 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
   const int lane = ctx.lane(), warp = ctx.warp();
   const int g = lane / 4, t = lane % 4;
   const int feature0 = ctx.block_x() * 16 * F;
-  const int row0 = ctx.block_y() * 8 * RT;
+  const int groups = (rows + 8 * RT - 1) / (8 * RT);
+  const int gemm = ctx.block_y() / groups;
+  const int row0 = ctx.block_y() % groups * 8 * RT;
+  const std::size_t ldx = a.ldx != 0 ? static_cast<std::size_t>(a.ldx) : static_cast<std::size_t>(k);
+  const std::size_t ldy = a.ldy != 0 ? static_cast<std::size_t>(a.ldy) : static_cast<std::size_t>(n);
+  const T* const w = a.w + static_cast<std::size_t>(gemm) * static_cast<std::size_t>(a.stride_w);
+  const T* const x = a.x + static_cast<std::size_t>(gemm) * static_cast<std::size_t>(a.stride_x);
   const int chunks = (k + skinny_gemm_chunk - 1) / skinny_gemm_chunk;
   const int first = static_cast<int>(std::int64_t{chunks} * warp / skinny_gemm_warps);
   const int last = static_cast<int>(std::int64_t{chunks} * (warp + 1) / skinny_gemm_warps);
@@ -222,7 +251,7 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
     for (int h = 0; h < 2; ++h) {
       const int feature = feature0 + 16 * f + g + 8 * h;
       w_exists[f][h] = feature < n;
-      w_row[f][h] = a.w + static_cast<std::size_t>(w_exists[f][h] ? feature : 0) * static_cast<std::size_t>(k);
+      w_row[f][h] = w + static_cast<std::size_t>(w_exists[f][h] ? feature : 0) * static_cast<std::size_t>(k);
     }
   const T* x_row[RT];
   bool x_exists[RT];
@@ -230,7 +259,7 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
   for (int j = 0; j < RT; ++j) {
     const int row = row0 + 8 * j + g;
     x_exists[j] = row < rows;
-    x_row[j] = a.x + static_cast<std::size_t>(x_exists[j] ? row : 0) * static_cast<std::size_t>(k);
+    x_row[j] = x + static_cast<std::size_t>(x_exists[j] ? row : 0) * ldx;
   }
 
   float acc[F][RT][4];
@@ -313,7 +342,8 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
     const int feature = feature0 + 16 * f + mma_fragment::d_row(l, i);
     const int row = row0 + 8 * j + mma_fragment::d_col(l, i);
     if (feature >= n || row >= rows) continue;
-    float& out = a.y[static_cast<std::size_t>(row) * static_cast<std::size_t>(n) + static_cast<std::size_t>(feature)];
+    float& out = a.y[static_cast<std::size_t>(gemm) * static_cast<std::size_t>(a.stride_y) +
+                     static_cast<std::size_t>(row) * ldy + static_cast<std::size_t>(feature)];
     out = a.accumulate ? out + partial[e] : partial[e];
   }
 }
