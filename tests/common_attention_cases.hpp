@@ -257,12 +257,23 @@ struct batch_fixture {
 
   // The kernels through the emulation (host compilers only: under nvcc the bodies are device
   // code); outputs [T][out_stride] as float (cells start at 1e4, so that a row left unwritten shows).
+  // `misaligned`: K and V copied one element off 16-byte alignment (the element-wise reads).
   template <class O>
-  std::vector<float> emulate(float scale = 0.0f, mk::attention_plan* plan_out = nullptr) {
+  std::vector<float> emulate(float scale = 0.0f, mk::attention_plan* plan_out = nullptr, bool misaligned = false) {
     const mk::attention_plan plan = mk::plan_attention(problem());
     if (plan_out != nullptr) *plan_out = plan;
     std::vector<O> out(static_cast<std::size_t>(T * out_stride), O(1e4f));
-    mk::attention_params<KV, O> a = params(host_arrays(), out.data(), scale);
+    arrays arr = host_arrays();
+    std::vector<KV> k_off, v_off;
+    if (misaligned) {
+      k_off.assign(k.size() + 1, KV(0.0f));
+      v_off.assign(v.size() + 1, KV(0.0f));
+      std::copy(k.begin(), k.end(), k_off.begin() + 1);
+      std::copy(v.begin(), v.end(), v_off.begin() + 1);
+      arr.k = k_off.data() + 1;
+      arr.v = v_off.data() + 1;
+    }
+    mk::attention_params<KV, O> a = params(arr, out.data(), scale);
     mk::check_attention_args(plan, a);
     // Poisoned workspace: a merge that read a cell no split wrote would give NaN.
     std::vector<float> ws((plan.workspace_bytes + sizeof(float) - 1) / sizeof(float),

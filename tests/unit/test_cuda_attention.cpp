@@ -240,6 +240,31 @@ TEST_CASE_TEMPLATE("a tree node has the same bits as its row decoded alone after
   }
 }
 
+TEST_CASE_TEMPLATE("16-byte and element-wise K/V reads give the same bits", KV, float, medusa::bfloat16) {
+  std::mt19937 rng(31);
+  const medusa::tree t = medusa::tree::preset("vicuna_7b_stage2");
+  for (const int page : {0, 16})
+    for (const int dim : {32, 128}) {
+      CAPTURE(page);
+      CAPTURE(dim);
+      shape s;
+      s.hq = 4;
+      s.hkv = 2;
+      s.dim = dim;
+      s.capacity = 160;
+      s.page_size = page;
+      s.kv_split = 64;
+      // A tree over a prefix that ends inside a tile (tail keys read from the cache) and a decode row.
+      batch_fixture<KV> f(s, {{45, t.num_nodes(), parents_of(t)}, {70, 1, {}}}, rng);
+      mk::attention_plan plan;
+      const auto vec = f.template emulate<float>(0.0f, &plan);
+      const auto elementwise = f.template emulate<float>(0.0f, nullptr, true);
+      REQUIRE(mk::detail::attention_kv_vectorized<KV>(f.device_kv(), dim));
+      CHECK(std::memcmp(vec.data(), elementwise.data(), vec.size() * sizeof(float)) == 0);
+      check_close(f.rows_of(vec, 0), f.naive(0), tolerance<KV, float>());
+    }
+}
+
 TEST_CASE("a causal chunk has the same bits as decoding its tokens one at a time") {
   std::mt19937 rng(15);
   shape s;
