@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <vector>
 
@@ -159,6 +160,26 @@ struct swiglu_shape {
 inline const std::vector<swiglu_shape>& swiglu_shapes() {
   static const std::vector<swiglu_shape> s{{24, 64, 1, 41}, {21, 40, 9, 42}, {37, 96, 40, 43}};
   return s;
+}
+
+// Checks the SwiGLU epilogue on `sh`: `fused(s, rows)` (h of the interleaved case s) has the bits
+// of `plain(s, rows)` (its Y) followed by SiLU(gate)·up, and passes of `passes` rows (those below
+// sh.rows) the bits of the whole pass's rows.
+template <class T, class Plain, class Fused>
+void check_swiglu_shape(Plain&& plain, Fused&& fused, const swiglu_shape& sh, std::initializer_list<int> passes) {
+  CAPTURE(sh.columns);
+  CAPTURE(sh.k);
+  CAPTURE(sh.rows);
+  const gemm_case<T> c(2 * sh.columns, sh.k, sh.rows, sh.seed);
+  const gemm_case<T> s = swiglu_case(c, sh.columns);
+  const std::vector<T> whole = fused(s, sh.rows);
+  CHECK(same_bits(whole, swiglu_of<T>(plain(s, sh.rows), sh.rows, s.n, sh.columns)));
+  for (const int rows : passes) {
+    if (rows >= sh.rows) continue;
+    CAPTURE(rows);
+    const std::vector<T> part = fused(s, rows);
+    CHECK(std::memcmp(part.data(), whole.data(), part.size() * sizeof(T)) == 0);
+  }
 }
 
 // The pass sizes whose rows must equal the largest pass's, bit for bit.

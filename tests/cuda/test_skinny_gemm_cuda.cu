@@ -65,20 +65,10 @@ TEST_CASE_TEMPLATE("device skinny gemm: the SwiGLU epilogue has the bits of the 
                    medusa::bfloat16, medusa::half) {
   std::vector<swiglu_shape> shapes = swiglu_shapes();
   shapes.push_back({11008, 4096, 64, 44});  // Llama-2-7B's gate/up
-  for (const swiglu_shape& sh : shapes) {
-    CAPTURE(sh.columns);
-    CAPTURE(sh.k);
-    const gemm_case<T> c(2 * sh.columns, sh.k, sh.rows, sh.seed);
-    const gemm_case<T> s = swiglu_case(c, sh.columns);
-    const std::vector<T> fused = on_device_swiglu(s, sh.rows, sh.columns);
-    CHECK(same_bits(fused, swiglu_of<T>(on_device(s, sh.rows, false), sh.rows, s.n, sh.columns)));
-    for (const int rows : {1, 2, 3, 8, 9, 33}) {
-      if (rows >= sh.rows) continue;
-      CAPTURE(rows);
-      const std::vector<T> part = on_device_swiglu(s, rows, sh.columns);
-      CHECK(std::memcmp(part.data(), fused.data(), part.size() * sizeof(T)) == 0);
-    }
-  }
+  for (const swiglu_shape& sh : shapes)
+    check_swiglu_shape<T>([](const gemm_case<T>& s, int rows) { return on_device(s, rows, false); },
+                          [&](const gemm_case<T>& s, int rows) { return on_device_swiglu(s, rows, sh.columns); }, sh,
+                          {1, 2, 3, 8, 9, 33});
 }
 
 TEST_CASE_TEMPLATE("device skinny gemm: every element within the tolerance of the exact product", T, medusa::bfloat16,

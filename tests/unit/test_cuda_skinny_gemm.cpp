@@ -53,26 +53,14 @@ std::vector<T> emulated_swiglu(const gemm_case<T>& s, int rows, int columns) {
 
 TEST_CASE_TEMPLATE("skinny gemm: the SwiGLU epilogue has the bits of the plain GEMM and SiLU(gate)·up", T,
                    medusa::bfloat16, medusa::half) {
-  for (const swiglu_shape& sh : swiglu_shapes()) {
-    CAPTURE(sh.columns);
-    CAPTURE(sh.k);
-    CAPTURE(sh.rows);
-    const gemm_case<T> c(2 * sh.columns, sh.k, sh.rows, sh.seed);
-    const gemm_case<T> s = swiglu_case(c, sh.columns);
-    const std::vector<T> fused = emulated_swiglu(s, sh.rows, sh.columns);
-    CHECK(same_bits(fused, swiglu_of<T>(emulated(s, sh.rows, false), sh.rows, s.n, sh.columns)));
-    // Rows of smaller passes: the same bits.
-    for (const int rows : {1, 3, 9}) {
-      if (rows >= sh.rows) continue;
-      CAPTURE(rows);
-      const std::vector<T> part = emulated_swiglu(s, rows, sh.columns);
-      CHECK(std::memcmp(part.data(), fused.data(), part.size() * sizeof(T)) == 0);
-    }
-  }
+  for (const swiglu_shape& sh : swiglu_shapes())
+    check_swiglu_shape<T>([](const gemm_case<T>& s, int rows) { return emulated(s, rows, false); },
+                          [&](const gemm_case<T>& s, int rows) { return emulated_swiglu(s, rows, sh.columns); }, sh,
+                          {1, 3, 9});
 }
 
 TEST_CASE("skinny gemm: a batch of GEMMs over strided arrays has the bits of each GEMM alone") {
-  // Three GEMMs of 40 features, k = 48, 11 rows: W per GEMM or shared, X per GEMM or shared, X and
+  // Three GEMMs of 40 features, k = 48, 11 rows: W per GEMM or shared by the batch, X and
   // Y rows with strides (X's an odd one: element-wise loads, the same bits).
   const int n = 40, k = 48, rows = 11, batch = 3;
   for (const bool shared_w : {false, true})
