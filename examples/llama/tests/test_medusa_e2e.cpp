@@ -3,8 +3,9 @@
 // engine equals plain greedy decoding token for token (random heads, several prompts and trees,
 // 256 new tokens), with run-time trees and, for presets, their compile-time trees through
 // medusa::dispatch_tree. Skips with a message when the shared models are absent.
-// MEDUSA_E2E_NEW_TOKENS=N caps the new tokens per prompt: the sanitizer runs use it to cover every
-// case in a few minutes.
+// MEDUSA_E2E_NEW_TOKENS=N caps the new tokens per prompt and MEDUSA_E2E_PROMPTS=N the prompts per
+// model: the sanitizer and emulator runs use them to cover every model, tree and weight format in
+// a few minutes.
 #include <medusa/dispatch.hpp>
 #include <medusa/medusa.hpp>
 
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -25,12 +27,12 @@ namespace {
 
 const std::filesystem::path models = std::filesystem::path(MEDUSA_SHARED_DIR) / "models";
 
-// The new tokens per prompt: `wanted`, or MEDUSA_E2E_NEW_TOKENS when that is smaller.
-int new_tokens_cap(int wanted) {
-  const char* env = std::getenv("MEDUSA_E2E_NEW_TOKENS");
+// `wanted`, or the positive integer in environment variable `name` when that is smaller.
+int env_cap(const char* name, int wanted) {
+  const char* env = std::getenv(name);
   if (env == nullptr || *env == '\0') return wanted;
   const int cap = std::atoi(env);
-  REQUIRE_MESSAGE(cap > 0, "MEDUSA_E2E_NEW_TOKENS must be a positive integer, not " << env);
+  REQUIRE_MESSAGE(cap > 0, (std::string(name) + " must be a positive integer, not " + env));
   return std::min(wanted, cap);
 }
 
@@ -46,7 +48,8 @@ void check_lossless(const std::filesystem::path& model_path, const std::filesyst
   auto lm = medusa_llama::load(model_path, tokenizer_path);
   const int eos = lm.tok->eos_id();
   std::vector<std::vector<std::int32_t>> encoded;
-  for (const auto& p : prompts) {
+  const std::size_t n_prompts = static_cast<std::size_t>(env_cap("MEDUSA_E2E_PROMPTS", static_cast<int>(prompts.size())));
+  for (const auto& p : std::span(prompts).first(n_prompts)) {
     std::vector<std::int32_t> ids;
     for (int id : lm.tok->encode(p, true, false)) ids.push_back(id);
     encoded.push_back(ids);
@@ -59,7 +62,7 @@ void check_lossless(const std::filesystem::path& model_path, const std::filesyst
   medusa_llama::engine model(std::move(lm.weights), eo);
   medusa_llama::packed_heads heads(model, heads_w.view(), medusa_llama::weight_format::f32);
   medusa::decode_options opt;
-  opt.max_new_tokens = new_tokens_cap(new_tokens);
+  opt.max_new_tokens = env_cap("MEDUSA_E2E_NEW_TOKENS", new_tokens);
   opt.eos_token = eos;
   for (std::size_t p = 0; p < encoded.size(); ++p) {
     const auto vanilla = medusa::generate_vanilla(model, encoded[p], medusa::greedy_policy{}, opt);
