@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file cuda/skinny_gemm.cuh
 //! The batch-invariant GEMM of a decode or tree step on the GPU (`Y = X·Wᵀ`, `Y += X·Wᵀ`, or an
-//! FFN's `SiLU(gate) ⊙ up`; W in bf16/f16, tensor cores, float accumulation): the `__global__` wrapper of
-//! `cuda/kernels/skinny_gemm.hpp` and its launcher. A row's bits do not depend on the number of
+//! FFN's `SiLU(gate) ⊙ up`; W in bf16/f16, tensor cores, float accumulation): the `__global__`
+//! wrapper of `cuda/kernels/skinny_gemm.hpp` and its launcher. A row's bits do not depend on the number of
 //! rows in the pass (docs/cuda.md).
 //!
 //! @code
@@ -36,8 +36,10 @@ __global__ void __launch_bounds__(kernels::skinny_gemm_threads)
 
 //! Launches the GEMM of `params` with the shapes of `plan` on `stream`.
 //! @return `cudaErrorInvalidValue`, with nothing launched, for arrays that do not suit the plan
-//!         (`kernels::skinny_gemm_args_ok`: a null W or X, a null Y, or for a SwiGLU plan a null
-//!         `gated` or `gated_columns` outside `(n/2 - 8, n/2]`); otherwise the launch status. Never allocates nor synchronises (a step's GEMMs can be captured).
+//!         (`kernels::skinny_gemm_args_ok`: a null W or X, a null Y, a row stride shorter than a
+//!         row, a negative batch stride, or for a SwiGLU plan a null `gated` or `gated_columns`
+//!         outside `(n/2 - 8, n/2]`); otherwise the launch status. Never allocates nor
+//!         synchronises (a step's GEMMs can be captured).
 template <class T>
 cudaError_t run(const kernels::skinny_gemm_plan& plan, const kernels::skinny_gemm_params<T>& params,
                 cudaStream_t stream) {

@@ -3,9 +3,10 @@
 //! The `device_step` executor on a CUDA device: device memory, one non-blocking stream, kernel
 //! bodies as `__global__` functions, the step's kernels through `step_kernels<runtime_tree, float>`
 //! (compiled in `medusa::cuda_kernels`), the heads through `device_heads` and cuBLAS (or the skinny
-//! GEMM: `set_skinny_gemm_heads`), and CUDA graphs. Nothing here allocates or synchronises once a step is captured: the `make_*` calls make
-//! the plans and workspaces beforehand. Failures throw `cuda_error`, `cublas_error` or
-//! `launch_error`. An engine derives from it to add its forward's GEMMs and attention.
+//! GEMM: `set_skinny_gemm_heads`), and CUDA graphs. Nothing here allocates or synchronises once a
+//! step is captured: the `make_*` calls make the plans and workspaces beforehand. Failures throw
+//! `cuda_error`, `cublas_error` or `launch_error`. An engine derives from it to add its forward's
+//! GEMMs and attention.
 //!
 //! @code
 //! medusa::cuda::stream_executor ex(0);                      // device 0

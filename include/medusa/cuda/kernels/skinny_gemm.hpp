@@ -167,7 +167,8 @@ MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool 
 }  // namespace detail
 
 //! Validates `p` and picks the launch.
-//! @throws launch_error `invalid_shape`: a size below 1, or a grid beyond the device's limits
+//! @throws launch_error `invalid_shape`: a size below 1, a grid beyond the device's limits, a
+//!         SwiGLU plan whose n is not a multiple of 16; `unsupported`: a SwiGLU plan with a batch
 [[nodiscard]] inline skinny_gemm_plan plan_skinny_gemm(const skinny_gemm_problem& p) {
   using detail::skinny_gemm_fail;
   if (p.n < 1 || p.k < 1 || p.rows < 1 || p.batch < 1)
