@@ -43,18 +43,12 @@ std::vector<float> on_device(const gemm_case<T>& c, int rows, bool accumulate, i
 // The device SwiGLU GEMM over the first `rows` rows of the interleaved case `s` (`columns` outputs).
 template <class T>
 std::vector<T> on_device_swiglu(const gemm_case<T>& s, int rows, int columns) {
-  mk::skinny_gemm_problem problem;
-  problem.n = s.n;
-  problem.k = s.k;
-  problem.rows = rows;
-  problem.swiglu = true;
-  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm(problem);
+  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm_swiglu(columns, s.k, rows);
+  REQUIRE(plan.problem.n == s.n);
   const device_array<T> w(s.w), x(s.x);
   const device_array<T> h(std::vector<T>(static_cast<std::size_t>(rows) * static_cast<std::size_t>(columns), T(0.0f)));
-  mk::skinny_gemm_params<T> a{w.get(), x.get(), nullptr};
-  a.gated = h.get();
-  a.gated_columns = columns;
-  mc::check(mc::run(plan, a, nullptr), "skinny gemm (SwiGLU)");
+  mc::check(mc::run(plan, mk::skinny_gemm_swiglu_params(w.get(), x.get(), h.get(), columns), nullptr),
+            "skinny gemm (SwiGLU)");
   mc::check(cudaDeviceSynchronize(), "skinny gemm (SwiGLU)");
   return h.download();
 }

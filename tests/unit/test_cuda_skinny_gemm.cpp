@@ -39,11 +39,10 @@ std::vector<float> emulated(const gemm_case<T>& c, int rows, bool accumulate, in
 // outputs), h starting at zero.
 template <class T>
 std::vector<T> emulated_swiglu(const gemm_case<T>& s, int rows, int columns) {
-  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = s.n, .k = s.k, .rows = rows, .swiglu = true});
+  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm_swiglu(columns, s.k, rows);
+  REQUIRE(plan.problem.n == s.n);
   std::vector<T> h(static_cast<std::size_t>(rows) * static_cast<std::size_t>(columns), T(0.0f));
-  mk::skinny_gemm_params<T> a{s.w.data(), s.x.data(), nullptr};
-  a.gated = h.data();
-  a.gated_columns = columns;
+  const mk::skinny_gemm_params<T> a = mk::skinny_gemm_swiglu_params(s.w.data(), s.x.data(), h.data(), columns);
   REQUIRE(mk::skinny_gemm_args_ok(plan, a));
   mc::emulate(plan.launch, [&](auto& ctx) { mk::skinny_gemm(ctx, plan, a); });
   return h;

@@ -108,16 +108,9 @@ class device_executor : public medusa::cuda::stream_executor {
   template <class T>
   void gemm_swiglu(const T* w, const T* x, T* h, int columns, int rows, int k) {
     namespace mk = medusa::cuda::kernels;
-    mk::skinny_gemm_problem problem;
-    problem.n = mk::skinny_gemm_swiglu_features(columns);
-    problem.k = k;
-    problem.rows = rows;
-    problem.swiglu = true;
-    const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm(problem);
-    mk::skinny_gemm_params<T> a{w, x, nullptr};
-    a.gated = h;
-    a.gated_columns = columns;
-    check_cuda(medusa::cuda::run(plan, a, stream()), "skinny gemm (SwiGLU)");
+    check_cuda(medusa::cuda::run(mk::plan_skinny_gemm_swiglu(columns, k, rows), mk::skinny_gemm_swiglu_params(w, x, h, columns),
+                                 stream()),
+               "skinny gemm (SwiGLU)");
   }
 
   template <class KV, class O>

@@ -63,11 +63,8 @@ class host_executor : public medusa::cuda::emulated_executor {
     if constexpr (std::is_same_v<T, medusa::bfloat16>) {
       ++gemms_;
       namespace mk = medusa::cuda::kernels;
-      const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm(
-          {.n = mk::skinny_gemm_swiglu_features(columns), .k = k, .rows = rows, .swiglu = true});
-      mk::skinny_gemm_params<T> a{w, x, nullptr};
-      a.gated = h;
-      a.gated_columns = columns;
+      const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm_swiglu(columns, k, rows);
+      const mk::skinny_gemm_params<T> a = mk::skinny_gemm_swiglu_params(w, x, h, columns);
       if (!mk::skinny_gemm_args_ok(plan, a)) throw std::logic_error("host executor: SwiGLU GEMM arguments");
       medusa::cuda::emulate(plan.launch, [&](auto& ctx) { mk::skinny_gemm(ctx, plan, a); });
     } else {

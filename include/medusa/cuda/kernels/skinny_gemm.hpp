@@ -199,6 +199,29 @@ MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool 
   return plan;
 }
 
+//! The plan of a SwiGLU GEMM with `columns` outputs of `k` inputs over `rows` rows (W of
+//! `skinny_gemm_swiglu_features(columns)` interleaved rows).
+//! @throws launch_error as `plan_skinny_gemm`
+[[nodiscard]] inline skinny_gemm_plan plan_skinny_gemm_swiglu(int columns, int k, int rows) {
+  skinny_gemm_problem p;
+  p.n = skinny_gemm_swiglu_features(columns);
+  p.k = k;
+  p.rows = rows;
+  p.swiglu = true;
+  return plan_skinny_gemm(p);
+}
+
+//! The arguments of a SwiGLU run: W interleaved, X `[rows][k]`, h `[rows][columns]`.
+template <class T>
+[[nodiscard]] skinny_gemm_params<T> skinny_gemm_swiglu_params(const T* w, const T* x, T* h, int columns) noexcept {
+  skinny_gemm_params<T> a;
+  a.w = w;
+  a.x = x;
+  a.gated = h;
+  a.gated_columns = columns;
+  return a;
+}
+
 //! True when the arrays of `a` suit `plan`: W and X set; row strides 0 or at least a row; batch
 //! strides not negative; and Y, or for a SwiGLU plan `gated` with `gated_columns` in
 //! `(n/2 - 8, n/2]`.
