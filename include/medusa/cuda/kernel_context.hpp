@@ -54,6 +54,11 @@
 #define MEDUSA_KERNEL_FN inline
 #endif
 
+//! Marks an element helper that host code calls too (conversions, aligned loads). nvcc gives a
+//! `__device__` function's host side a body that calls `exit(1)`, and does not reject a call to it
+//! from a host function template, so a helper the host uses must be `__host__ __device__`.
+#define MEDUSA_ELEMENT_FN MEDUSA_HOST_DEVICE inline
+
 //! Unrolls the next loop fully (nvcc) or up to 16 times (g++/clang), without unknown-pragma
 //! warnings on either.
 #if defined(__CUDACC__)
@@ -71,32 +76,32 @@ namespace cuda {
 inline constexpr int warp_size = 32;
 
 //! Logit/activation element → float, using the hardware conversion on the device.
-MEDUSA_KERNEL_FN float load_float(float x) noexcept { return x; }
-MEDUSA_KERNEL_FN float load_float(medusa::half x) noexcept {
+MEDUSA_ELEMENT_FN float load_float(float x) noexcept { return x; }
+MEDUSA_ELEMENT_FN float load_float(medusa::half x) noexcept {
 #if defined(__CUDA_ARCH__)
   return __half2float(__ushort_as_half(x.bits()));
 #else
   return static_cast<float>(x);
 #endif
 }
-MEDUSA_KERNEL_FN float load_float(medusa::bfloat16 x) noexcept {
+MEDUSA_ELEMENT_FN float load_float(medusa::bfloat16 x) noexcept {
   return detail::bits_to_float(static_cast<std::uint32_t>(x.bits()) << 16);
 }
 
 //! False for NaN and ±Inf (an exponent test, the same on both sides).
-MEDUSA_KERNEL_FN bool is_finite(float x) noexcept {
+MEDUSA_ELEMENT_FN bool is_finite(float x) noexcept {
   return (detail::float_to_bits(x) & 0x7f800000u) != 0x7f800000u;
 }
 
 //! False for the logits a row may not hold, NaN and +Inf; -Inf is a masked token (as on the CPU).
-MEDUSA_KERNEL_FN bool is_valid_logit(float x) noexcept {
+MEDUSA_ELEMENT_FN bool is_valid_logit(float x) noexcept {
   const std::uint32_t u = detail::float_to_bits(x);
   return (u & 0x7fffffffu) <= 0x7f800000u && u != 0x7f800000u;
 }
 
 //! float → element, round to nearest even (hardware conversion on the device).
 template <class T>
-MEDUSA_KERNEL_FN T store_float(float x) noexcept {
+MEDUSA_ELEMENT_FN T store_float(float x) noexcept {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
@@ -121,7 +126,7 @@ struct alignas(16) vector16 {
 //! Loads a `V` from memory aligned to `alignof(V)`: one vector access on the device (`V` of 16
 //! bytes: `ld.global.v4`), `memcpy` on the host (same bytes, no aliasing questions).
 template <class V>
-MEDUSA_KERNEL_FN V load_aligned(const void* p) noexcept {
+MEDUSA_ELEMENT_FN V load_aligned(const void* p) noexcept {
 #if defined(__CUDA_ARCH__)
   return *static_cast<const V*>(p);
 #else
@@ -133,7 +138,7 @@ MEDUSA_KERNEL_FN V load_aligned(const void* p) noexcept {
 
 //! Stores a `V` to memory aligned to `alignof(V)` (the counterpart of `load_aligned`).
 template <class V>
-MEDUSA_KERNEL_FN void store_aligned(void* p, const V& v) noexcept {
+MEDUSA_ELEMENT_FN void store_aligned(void* p, const V& v) noexcept {
 #if defined(__CUDA_ARCH__)
   *static_cast<V*>(p) = v;
 #else
@@ -143,7 +148,7 @@ MEDUSA_KERNEL_FN void store_aligned(void* p, const V& v) noexcept {
 
 //! Loads 16 aligned bytes of elements.
 template <class T>
-MEDUSA_KERNEL_FN vector16<T> load_vector16(const T* p) noexcept {
+MEDUSA_ELEMENT_FN vector16<T> load_vector16(const T* p) noexcept {
   return load_aligned<vector16<T>>(p);
 }
 
