@@ -132,13 +132,18 @@ gemm_case<T> swiglu_case(const gemm_case<T>& c, int columns) {
   return s;
 }
 
-// SiLU(gate) ⊙ up rounded to T from the plain GEMM's output `y` ([rows][n]) over a SwiGLU case's W.
+// The feature of W (and column of the plain GEMM's Y) that holds output column `col`'s gate; its
+// up is 8 features later.
+MEDUSA_HOST_DEVICE inline int swiglu_gate_feature(int col) { return col / 8 * 16 + col % 8; }
+
+// SiLU(gate) ⊙ up rounded to T from the plain GEMM's output `y` ([rows][n]) over a SwiGLU case's W,
+// on the host.
 template <class T>
 std::vector<T> swiglu_of(const std::vector<float>& y, int rows, int n, int columns) {
   std::vector<T> h(static_cast<std::size_t>(rows) * static_cast<std::size_t>(columns));
   for (int r = 0; r < rows; ++r)
     for (int col = 0; col < columns; ++col) {
-      const int gate = col / 8 * 16 + col % 8;
+      const int gate = swiglu_gate_feature(col);
       const std::size_t at = static_cast<std::size_t>(r) * static_cast<std::size_t>(n);
       h[static_cast<std::size_t>(r) * columns + col] =
           medusa::cuda::store_float<T>(medusa::silu(y[at + gate]) * y[at + gate + 8]);
@@ -163,17 +168,18 @@ inline const std::vector<swiglu_shape>& swiglu_shapes() {
 }
 
 // Checks the SwiGLU epilogue on `sh`: `fused(s, rows)` (h of the interleaved case s) has the bits
-// of `plain(s, rows)` (its Y) followed by SiLU(gate)·up, and passes of `passes` rows (those below
-// sh.rows) the bits of the whole pass's rows.
-template <class T, class Plain, class Fused>
-void check_swiglu_shape(Plain&& plain, Fused&& fused, const swiglu_shape& sh, std::initializer_list<int> passes) {
+// of `unfused(s, rows)` (the plain GEMM followed by SiLU(gate)·up, computed where the epilogue runs:
+// the device's expf is not the host's), and passes of `passes` rows (those below sh.rows) the bits
+// of the whole pass's rows.
+template <class T, class Unfused, class Fused>
+void check_swiglu_shape(Unfused&& unfused, Fused&& fused, const swiglu_shape& sh, std::initializer_list<int> passes) {
   CAPTURE(sh.columns);
   CAPTURE(sh.k);
   CAPTURE(sh.rows);
   const gemm_case<T> c(2 * sh.columns, sh.k, sh.rows, sh.seed);
   const gemm_case<T> s = swiglu_case(c, sh.columns);
   const std::vector<T> whole = fused(s, sh.rows);
-  CHECK(same_bits(whole, swiglu_of<T>(plain(s, sh.rows), sh.rows, s.n, sh.columns)));
+  CHECK(same_bits(whole, unfused(s, sh.rows)));
   for (const int rows : passes) {
     if (rows >= sh.rows) continue;
     CAPTURE(rows);
