@@ -20,7 +20,8 @@
 //
 // --gemm cublaslt|library: the engine's bf16 GEMMs through cuBLASLt with one pinned algorithm per
 // shape (default) or the library's skinny GEMM (both batch-invariant). --kv-split N: keys per
-// attention split (default: the engine's, from the 2048-slot context).
+// attention split (default: the engine's, from the context). --context N: the prompt's length
+// (default 512; the engine's context grows past 2048 to hold it).
 //
 // The measured speedup with trained heads on pycode-15m comes from medusa-run --device cuda
 // --mode both --prompts-file (docs/performance.md). Exits 77 without a CUDA device.
@@ -75,23 +76,29 @@ const std::vector<shape>& shapes() {
   return all;
 }
 
-constexpr int context = 512;
+int context = 512;                                    // --context N: the prompt's tokens
 const std::vector<int> step_rows = {1, 4, 8, 16, 32, 64, 128};
 std::optional<medusa::path_calibration> calibration;  // --calibration
 std::string step_cost_out;                            // --step-cost-out (the 7B curve)
 bool library_gemm = false;                            // --gemm cublaslt|library
 int kv_split = 0;                                     // --kv-split N (0: the engine's default)
 
+// The context a request may reach: the prompt, 64 new tokens and a 128-node tree, at least 2048.
+int max_context() { return std::max(2048, (context + 64 + 128 + 255) / 256 * 256); }
+
 // One engine per shape, made once (the weights take seconds to make).
 cuda_engine& engine_for(const shape& s) {
   static std::map<std::string, std::unique_ptr<cuda_engine>> engines;
   auto& e = engines[s.name];
-  if (!e)
+  if (!e) {
+    model_config c = s.config;
+    c.seq_len = max_context();
     e = std::make_unique<cuda_engine>(cuda_engine::synthetic(
-        s.config,
-        {.precision = medusa::dtype::bf16, .max_requests = 1, .max_context = 2048, .max_tokens = 512, .kv_split = kv_split,
-         .library_gemm = library_gemm},
+        c,
+        {.precision = medusa::dtype::bf16, .max_requests = 1, .max_context = max_context(), .max_tokens = 512,
+         .kv_split = kv_split, .library_gemm = library_gemm},
         7));
+  }
   return *e;
 }
 
@@ -282,6 +289,15 @@ int main(int argc, char** argv) {
       return 2;
     }
     kv_split = static_cast<int>(v);
+  }
+  if (auto f = take_flag(argc, argv, "--context")) {
+    char* end = nullptr;
+    const long v = std::strtol(f->c_str(), &end, 10);
+    if (end == f->c_str() || *end != '\0' || v < 1 || v > 1 << 17) {
+      std::fprintf(stderr, "--context must be a number of tokens from 1 to 131072, got %s\n", f->c_str());
+      return 2;
+    }
+    context = static_cast<int>(v);
   }
   benchmark::Initialize(&argc, argv);
   for (const shape& s : shapes()) {
