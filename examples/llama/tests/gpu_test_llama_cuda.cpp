@@ -3,7 +3,8 @@
 // a stated tolerance of the CPU engine, a row's logits independent of the pass it is in (the
 // batch-invariant GEMMs and attention), and Medusa decoding (the whole step one CUDA graph) equal
 // to plain decoding on every shared model, with random heads and, when MEDUSA_GPU_HEADS names a
-// directory of pycode-15m heads (medusa-train output), trained ones. Exits 77 (ctest: skipped)
+// directory of pycode-15m heads (medusa-train output), trained ones; the 16-bit engines both with
+// cuBLASLt and with the library's skinny GEMM (`library_gemm`). Exits 77 (ctest: skipped)
 // without a CUDA device, without CUDA support in the build, or when no check ran (no shared model).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -25,6 +26,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -150,9 +152,25 @@ std::vector<fs::path> shared_models() {
 }
 model load_shared(const fs::path& p) { return fs::is_directory(p) ? model::load_hf(p) : model::load_llama2c(p); }
 
+// An engine configuration of a case: a precision, and whether the GEMMs are the library's skinny
+// GEMM (`library_gemm`, 16-bit precisions only) or cuBLASLt.
+struct engine_config {
+  medusa::dtype precision;
+  bool library_gemm;
+  [[nodiscard]] std::string name() const { return std::string(to_string(precision)) + (library_gemm ? " (library GEMM)" : ""); }
+};
+// Each precision with cuBLASLt, then the 16-bit ones with the library GEMM.
+std::vector<engine_config> configs_of(std::initializer_list<medusa::dtype> precisions) {
+  std::vector<engine_config> out;
+  for (const medusa::dtype p : precisions) out.push_back({p, false});
+  for (const medusa::dtype p : precisions)
+    if (p != medusa::dtype::f32) out.push_back({p, true});
+  return out;
+}
+
 }  // namespace
 
-TEST_CASE("logits within a stated tolerance of the CPU engine: f32 1e-4, bf16 and f16 3e-2 of the largest logit") {
+TEST_CASE("logits within a stated tolerance of the CPU engine: f32 1e-4, bf16 and f16 (cuBLASLt or the library GEMM) 3e-2 of the largest logit") {
   for (const fs::path& path : shared_models()) {
     CAPTURE(path.string());
     const auto m = load_shared(path);
@@ -161,10 +179,10 @@ TEST_CASE("logits within a stated tolerance of the CPU engine: f32 1e-4, bf16 an
     for (int i = 0; i < n; ++i) prompt.push_back(3 + (i * 37) % (m.config().vocab_size - 3));
     batch_engine cpu(m, {.max_requests = 1});
     const auto want = prefill_logits(cpu, prompt);
-    for (const medusa::dtype p : {medusa::dtype::f32, medusa::dtype::bf16, medusa::dtype::f16}) {
-      CAPTURE(to_string(p));
-      cuda_engine e(m, {.precision = p, .max_requests = 1});
-      check_close(prefill_logits(e, prompt), want, p == medusa::dtype::f32 ? 1e-4f : 3e-2f, to_string(p).data());
+    for (const engine_config& c : configs_of({medusa::dtype::f32, medusa::dtype::bf16, medusa::dtype::f16})) {
+      CAPTURE(c.name());
+      cuda_engine e(m, {.precision = c.precision, .max_requests = 1, .library_gemm = c.library_gemm});
+      check_close(prefill_logits(e, prompt), want, c.precision == medusa::dtype::f32 ? 1e-4f : 3e-2f, c.name().c_str());
     }
   }
 }
@@ -179,9 +197,9 @@ TEST_CASE("a row's logits do not depend on the pass: passes of 2, 3, 8, 64 and 1
       tokens[static_cast<std::size_t>(i)] = 3 + (i * 53) % (m.config().vocab_size - 3);
       pos[static_cast<std::size_t>(i)] = i;
     }
-    for (const medusa::dtype p : {medusa::dtype::bf16, medusa::dtype::f32}) {
-      CAPTURE(to_string(p));
-      cuda_engine e(m, {.precision = p, .max_requests = 2, .max_tokens = 128});
+    for (const engine_config& c : configs_of({medusa::dtype::bf16, medusa::dtype::f32})) {
+      CAPTURE(c.name());
+      cuda_engine e(m, {.precision = c.precision, .max_requests = 2, .max_tokens = 128, .library_gemm = c.library_gemm});
       const int V = e.vocab_size();
       // request 1: one token at a time, every row (M = 1)
       e.reserve(1, n);
@@ -229,7 +247,7 @@ TEST_CASE("a row's logits do not depend on the pass: passes of 2, 3, 8, 64 and 1
   }
 }
 
-TEST_CASE("Medusa on the device equals plain decoding on every shared model, random heads, f32 and bf16") {
+TEST_CASE("Medusa on the device equals plain decoding on every shared model, random heads, f32, bf16 and bf16 with the library GEMM") {
   struct shared_model {
     fs::path path;
     std::vector<std::vector<std::int32_t>> prompts;
@@ -244,9 +262,9 @@ TEST_CASE("Medusa on the device equals plain decoding on every shared model, ran
     CAPTURE(sm.path.string());
     const auto m = load_shared(sm.path);
     const medusa::head_weights hw = random_heads(m, 4, 3);
-    for (const medusa::dtype p : {medusa::dtype::f32, medusa::dtype::bf16}) {
-      CAPTURE(to_string(p));
-      cuda_engine e(m, {.precision = p, .max_requests = 4});
+    for (const engine_config& c : configs_of({medusa::dtype::f32, medusa::dtype::bf16})) {
+      CAPTURE(c.name());
+      cuda_engine e(m, {.precision = c.precision, .max_requests = 4, .library_gemm = c.library_gemm});
       const auto heads = hw.kind() == medusa::projection_kind::per_head
                              ? hw.view()
                              : hw.view(medusa::weight_ptr::of(m.classifier()), static_cast<std::size_t>(m.config().vocab_size));
