@@ -26,6 +26,7 @@
 #include <medusa/gemm.hpp>
 #include <medusa/heads.hpp>
 #include <medusa/drafts.hpp>
+#include <medusa/draft_model.hpp>
 #include <medusa/decoder.hpp>
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/decoder/step_cost.hpp>

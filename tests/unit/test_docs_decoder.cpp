@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // The model of docs/decoder.md, compiled and run: a model that owns its KV buffers and returns a
 // writable view from a non-const kv_cache(), seeded random heads from the library, and greedy
-// Medusa output equal to plain greedy decoding; the tree search and per-step drafts of
-// docs/tree.md and docs/decoder.md on the same model.
+// Medusa output equal to plain greedy decoding; the tree search, per-step drafts and a draft model
+// of docs/tree.md and docs/decoder.md on the same model.
 #include <doctest/doctest.h>
 #include <medusa/decoder.hpp>
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/decoder/step_cost.hpp>
+#include <medusa/draft_model.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/io/head_checkpoint.hpp>
 #include <medusa/tree.hpp>
@@ -141,6 +142,15 @@ TEST_CASE("docs/tree.md and docs/decoder.md: the best tree for the machine, then
   medusa::decoder with_source(model, heads, sourced, medusa::greedy_policy{});
   CHECK(with_source.generate(prompt, opt).tokens == plain.tokens);
   CHECK(released == 1);
+
+  // --- docs/decoder.md, "A draft model" -------------------------------------------------------
+  my_model small(6);  // the draft
+  medusa::draft_model_branch<my_model> draft(small, model.vocab_size(), {.max_tokens = 4});
+  medusa::basic_step_drafter<medusa::draft_model_branch<my_model>> drafted({.paths = plan.paths, .lookup = draft},
+                                                                           /*heads=*/4);
+  medusa::decoder dec_draft(model, heads, drafted, medusa::greedy_policy{});
+  CHECK(dec_draft.generate(prompt, opt).tokens == plain.tokens);
+  CHECK(draft.tokens_run() >= static_cast<std::int64_t>(prompt.size()));
 }
 
 TEST_CASE("head_weights::random is seeded: same arguments, same weights; another seed, others") {

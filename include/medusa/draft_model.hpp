@@ -1,0 +1,160 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file draft_model.hpp
+//! A draft model as the branch source of a `basic_step_drafter` (drafts.hpp): a small model with
+//! the target's vocabulary proposes, after each step's root, the greedy chain of its next
+//! `max_tokens` tokens, and the target verifies the chain in its tree step. Verification decides
+//! what is kept, so decoding stays lossless whatever the draft proposes.
+//!
+//! The draft keeps its own KV cache in step with the request: the branch remembers which tokens
+//! the draft's cache holds, and each call runs only the tokens of the history past their longest
+//! common prefix. Drafts the target accepted are reused as they are; the step's bonus token (and
+//! any draft the target rejected) is caught up in one causal pass.
+//!
+//! The draft is any single-request `decoder_model` (e.g. the example engine over a small model);
+//! it serves one request, so use the branch with the single-request `decoder`.
+//!
+//! @code
+//! medusa::draft_model_branch<DraftEngine> draft(draft_engine, target.vocab_size(), {.max_tokens = 4});
+//! medusa::basic_step_drafter<medusa::draft_model_branch<DraftEngine>> drafter({.lookup = draft}, heads.num_heads());
+//! medusa::decoder dec(target, heads, drafter, medusa::greedy_policy{});  // heads: add .paths to use them too
+//! @endcode
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/candidates.hpp>
+#include <medusa/decoder/model.hpp>
+#include <medusa/error.hpp>
+#include <medusa/kv_cache.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+MEDUSA_NAMESPACE_BEGIN
+
+//! What a `draft_model_branch` drafts.
+struct draft_model_options {
+  int max_tokens = 4;  //!< tokens drafted after each root (≥ 1): the chain's length
+};
+
+//! The branch source of a `basic_step_drafter` that runs a draft model (see the file comment).
+//! Copies share the draft's cache state, as they share the model.
+template <decoder_model Draft>
+class draft_model_branch {
+ public:
+  //! `draft` must outlive the branch and serve it alone. `target_vocab`: the target's vocabulary
+  //! size. Throws `invalid_input` when the draft's vocabulary size differs (naming both) or
+  //! `max_tokens < 1`.
+  draft_model_branch(Draft& draft, int target_vocab, draft_model_options opt = {})
+      : state_(std::make_shared<state>(state{&draft, opt, {}, {}, {}, {}, 0, 0})) {
+    const int v = static_cast<int>(draft.vocab_size());
+    if (v != target_vocab)
+      throw invalid_input("draft model: its vocabulary has " + std::to_string(v) + " tokens, the target's " +
+                          std::to_string(target_vocab));
+    validate();
+  }
+
+  //! Throws `invalid_input` unless `max_tokens ≥ 1`.
+  void validate() const {
+    if (state_->opt.max_tokens < 1)
+      throw invalid_input("draft model: max_tokens must be >= 1, got " + std::to_string(state_->opt.max_tokens));
+  }
+
+  //! The longest chain drafted.
+  [[nodiscard]] int max_tokens() const noexcept { return state_->opt.max_tokens; }
+
+  //! Writes the draft's greedy continuation of `history` (ending with the step's root) to `out`:
+  //! `min(max_tokens, out.size())` tokens, fewer where the draft's context ends; returns how many.
+  //! Throws `invalid_input` for a history token outside the vocabulary, `acceptance_error` for a
+  //! non-finite draft logit row, and what the draft's forward throws.
+  int find(std::span<const std::int32_t> history, std::span<std::int32_t> out) {
+    state& s = *state_;
+    const int n = static_cast<int>(history.size());
+    const int vocab = static_cast<int>(s.model->vocab_size());
+    if (n == 0) return 0;
+    for (const std::int32_t t : history)
+      if (t < 0 || t >= vocab)
+        throw invalid_input("draft model: history token " + std::to_string(t) + " is outside its vocabulary of " +
+                            std::to_string(vocab));
+    // Drafting K tokens writes the history's K/V and the first K − 1 drafts': slots [0, n + K − 1).
+    const int room = context() - n + 1;
+    const int count = std::min({s.opt.max_tokens, static_cast<int>(out.size()), room});
+    if (count < 1) return 0;
+    // The cache is right up to the common prefix; the root itself is always run (its logits).
+    int keep = 0;
+    const int common = std::min(static_cast<int>(s.cached.size()), n - 1);
+    while (keep < common && s.cached[static_cast<std::size_t>(keep)] == history[static_cast<std::size_t>(keep)]) ++keep;
+    s.cached.assign(history.begin(), history.begin() + keep);
+    std::int32_t next = run(history.subspan(static_cast<std::size_t>(keep)), keep);
+    s.cached.insert(s.cached.end(), history.begin() + keep, history.end());
+    out[0] = next;
+    for (int i = 1; i < count; ++i) {
+      const std::int32_t token[1] = {next};
+      next = run(token, n + i - 1);
+      s.cached.push_back(token[0]);
+      out[static_cast<std::size_t>(i)] = next;
+    }
+    return count;
+  }
+
+  //! The request left: the draft's cache holds nothing of use any more.
+  void release(int /*request*/) { state_->cached.clear(); }
+
+  //! Tokens the draft has run so far (the catch-up passes and the chains), for its cost.
+  [[nodiscard]] std::int64_t tokens_run() const noexcept { return state_->tokens_run; }
+  //! Forward passes of the draft so far.
+  [[nodiscard]] std::int64_t passes() const noexcept { return state_->passes; }
+
+ private:
+  struct state {
+    Draft* model;
+    draft_model_options opt;
+    std::vector<std::int32_t> cached;  // the tokens whose K/V the draft's cache holds, slot by slot
+    std::vector<std::int32_t> positions;
+    std::vector<float> logits, hidden;  // hidden: not read, but models may write it unasked
+    std::int64_t tokens_run, passes;
+  };
+
+  // The draft's context: `max_context()` where it has one, else its cache's capacity.
+  [[nodiscard]] int context() const {
+    Draft& m = *state_->model;
+    if constexpr (context_bounded_model<Draft>) return static_cast<int>(m.max_context());
+    else return kv_capacity(m.kv_cache());
+  }
+
+  // Runs `tokens` at slots [length, length + T) (causal) and returns the greedy next token.
+  std::int32_t run(std::span<const std::int32_t> tokens, int length) {
+    state& s = *state_;
+    const int T = static_cast<int>(tokens.size());
+    if constexpr (kv_granting_model<Draft>) {
+      if (static_cast<int>(s.model->reserve(0, length + T)) < length + T)
+        throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " +
+                                                          std::to_string(length + T) + " slots");
+    } else if constexpr (kv_reserving_model<Draft>) {
+      s.model->reserve(0, length + T);
+    }
+    s.positions.resize(static_cast<std::size_t>(T));
+    for (int i = 0; i < T; ++i) s.positions[static_cast<std::size_t>(i)] = length + i;
+    s.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
+    s.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
+    forward_batch b;
+    b.tokens = tokens;
+    b.positions = s.positions;
+    b.cache_length = length;
+    b.first_output_row = T - 1;
+    b.logits = s.logits;
+    b.hidden = s.hidden;
+    s.model->forward(b);
+    s.tokens_run += T;
+    ++s.passes;
+    return argmax(s.logits);
+  }
+
+  std::shared_ptr<state> state_;
+};
+
+MEDUSA_NAMESPACE_END
