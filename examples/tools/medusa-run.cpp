@@ -5,6 +5,7 @@
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
 //              [--cost-cache DIR|none] [--calibrate-out F] [--lookup N] [--lookup-ngram MIN:MAX] [--dynamic]
+//              [--draft-model F | --self-draft-layers K] [--draft-tokens N] [--draft-alone]
 //              [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16|int8|q4] [--classifier-weights F] [--head-weights int8|q8_0|q4|bf16|f32]
@@ -50,6 +51,20 @@ int run(run_args a) {
     throw usage_error("--calibrate-out needs --heads and --policy greedy (it counts the heads against greedy outputs)");
   if ((a.lookup > 0 || a.dynamic) && a.policy == medusa::draft_sampling_policy::name)
     throw usage_error("--policy sampled draws its own drafts: it takes no --lookup or --dynamic");
+  const bool drafted = !a.draft_model.empty() || a.self_draft_layers != 0;
+  if (!a.draft_model.empty() && a.self_draft_layers != 0)
+    throw usage_error("give one of --draft-model and --self-draft-layers");
+  if (a.self_draft_layers < 0) throw usage_error("--self-draft-layers must be >= 1, got " + std::to_string(a.self_draft_layers));
+  if (a.draft_tokens < 1 || a.draft_tokens > 64)
+    throw usage_error("--draft-tokens must be in [1, 64], got " + std::to_string(a.draft_tokens));
+  if (a.draft_alone && !drafted) throw usage_error("--draft-alone needs --draft-model or --self-draft-layers");
+  if (a.draft_alone && a.dynamic) throw usage_error("--draft-alone drafts no heads' tree: it takes no --dynamic");
+  if (drafted) {
+    if (batched) throw usage_error("--draft-model and --self-draft-layers serve one request: not with --prompts-file");
+    if (a.policy == medusa::draft_sampling_policy::name)
+      throw usage_error("--policy sampled draws its own drafts: it takes no draft model");
+    if (a.device != "cpu") throw usage_error("--draft-model and --self-draft-layers run on the CPU (--device cpu)");
+  }
   if (a.device != "cpu" && a.device != "cuda") throw usage_error("--device must be cpu or cuda, got " + a.device);
   const bool cuda = a.device == "cuda";
   if (cuda) {
@@ -143,6 +158,13 @@ int main(int argc, char** argv) {
   app.add_option("--calibrate-out", a.calibrate_out,
                  "write the heads' path-conditional calibration over the prompts and their greedy outputs to this file "
                  "(for --calibration and medusa-tree optimize)");
+  app.add_option("--draft-model", a.draft_model,
+                 "a draft model (same formats as --model, the target's vocabulary) whose greedy chain of "
+                 "--draft-tokens joins each step's tree");
+  app.add_option("--self-draft-layers", a.self_draft_layers,
+                 "self-speculation: the target's first K layers (then its final norm and classifier) as the draft");
+  app.add_option("--draft-tokens", a.draft_tokens, "the draft's chain length")->capture_default_str();
+  app.add_flag("--draft-alone", a.draft_alone, "the step's tree is the draft's chain (and --lookup) only, without the heads' tree");
   app.add_flag("--dynamic", a.dynamic, "per-step dynamic trees: each step's most probable paths under the heads, as many nodes as the tree");
   app.add_option("--calibration", a.calibration, "--tree auto: the heads' calibration (default: calibration.json beside them)");
   app.add_option("--step-cost", a.step_cost_file, "--tree auto: use this step-cost curve instead of measuring one");

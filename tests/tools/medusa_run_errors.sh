@@ -40,6 +40,11 @@ case $case in
   cuda_lookup)       want=2; pat='--lookup and --dynamic'; args=(--model "$pycode" --heads random:2 --device cuda --lookup 4) ;;
   cuda_weights)      want=2; pat='--precision';           args=(--model "$pycode" --mode vanilla --device cuda --weights bf16) ;;
   cuda_precision)    want=2; pat='--precision';           args=(--model "$pycode" --mode vanilla --device cuda --precision f8) ;;
+  draft_vocab)       want=1; pat='draft model.*tokenizer has 2048 tokens, the model 512'; args=(--model "$pycode" --heads random:4 --draft-model "$shared/models/stories260K/stories260K.bin" --prompt x) ;;
+  draft_layers)      want=2; pat='below the model.s 8 layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 8 --prompt x) ;;
+  draft_both)        want=2; pat='give one of --draft-model and --self-draft-layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-model "$pycode") ;;
+  draft_batch)       want=2; pat='serve one request';     args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --prompts-file "$scratch/prompts.txt") ;;
+  draft_alone)       want=2; pat='--draft-alone needs';   args=(--model "$pycode" --heads random:4 --draft-alone) ;;
   *) echo "unknown case $case"; exit 1 ;;
 esac
 

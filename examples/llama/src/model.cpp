@@ -201,6 +201,18 @@ void model::release_pages(const float* first, std::size_t count) const noexcept 
   if (mapping_ != nullptr) mapping_->release(first, count * sizeof(float));
 }
 
+model model::first_layers(int layers) const {
+  if (layers < 1 || layers > config_.n_layers)
+    throw load_error(load_errc::bad_header,
+                     "first_layers: " + std::to_string(layers) + " layers asked of a model of " +
+                         std::to_string(config_.n_layers),
+                     "(model)");
+  model m = *this;
+  m.config_.n_layers = layers;
+  m.layers_.resize(static_cast<std::size_t>(layers));
+  return m;
+}
+
 model model::random(const model_config& config, std::uint64_t seed, float scale) {
   config.validate("model::random");
   model m;

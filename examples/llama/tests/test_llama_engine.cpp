@@ -192,6 +192,20 @@ TEST_CASE("llama2c checkpoint round trip keeps config and weights") {
   CHECK(m.weight_bytes() == sizeof(float) * (2 * (2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 96 * 64) + 64 + 97 * 64));
 }
 
+TEST_CASE("first_layers: the first blocks over the same weights, then the final norm and the classifier") {
+  const auto m = model::random(tiny_config(false), 8, 0.2f);
+  REQUIRE(m.config().n_layers == 2);
+  const auto d = m.first_layers(1);
+  CHECK(d.config().n_layers == 1);
+  CHECK(m.config().n_layers == 2);
+  CHECK(d.layer(0).wq == m.layer(0).wq);  // shared, not copied
+  CHECK(d.rms_final() == m.rms_final());
+  CHECK(d.classifier() == m.classifier());
+  CHECK(d.weight_bytes() < m.weight_bytes());
+  CHECK_THROWS_AS((void)m.first_layers(0), load_error);
+  CHECK_THROWS_AS((void)m.first_layers(3), load_error);
+}
+
 TEST_CASE("batched forward equals sequential single-token forwards") {
   for (bool shared : {true, false})
     for (auto backend : {gemm_backend::builtin, gemm_backend::blas})

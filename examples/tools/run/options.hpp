@@ -28,6 +28,10 @@ struct run_args {
   int lookup = 0;                                        // lookup branch of up to N tokens (0 = off)
   int lookup_min = 2, lookup_max = 4;                    // n-gram sizes matched
   bool dynamic = false;                                  // per-step dynamic trees of the chosen size
+  std::string draft_model;                               // a draft model proposing chains (--draft-model)
+  int self_draft_layers = 0;                             // the target's first k layers as the draft (0 = off)
+  int draft_tokens = 4;                                  // the draft's chain length
+  bool draft_alone = false;                              // the step's tree is the draft's chain (and lookup) only
   std::string calibrate_out;                             // write path counts of the greedy outputs here
   std::optional<int> batch;  // requests at once with --prompts-file (default 1)
   run_mode mode = run_mode::medusa;

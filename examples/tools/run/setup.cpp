@@ -72,18 +72,31 @@ auto_inputs prepare_auto(const run_args& a) {
   return in;
 }
 
-std::optional<medusa::step_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads) {
-  if (a.lookup == 0 && !a.dynamic) return std::nullopt;
-  medusa::step_drafter_options o;
+std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads,
+                                        std::optional<draft_branch> draft) {
+  if (a.lookup == 0 && !a.dynamic && !draft) return std::nullopt;
+  medusa::basic_step_drafter_options<run_branch> o;
   if (a.dynamic) o.dynamic_nodes = t.num_nodes();
-  else o.paths = t.sorted_paths();
+  else if (!a.draft_alone) o.paths = t.sorted_paths();
   o.topk = t.topk();
-  if (a.lookup > 0) o.lookup = medusa::ngram_lookup{.min_ngram = a.lookup_min, .max_ngram = a.lookup_max, .max_tokens = a.lookup};
-  return medusa::step_drafter(std::move(o), heads);
+  if (a.lookup > 0 || draft) {
+    run_branch b;
+    if (a.lookup > 0) b.lookup = medusa::ngram_lookup{.min_ngram = a.lookup_min, .max_ngram = a.lookup_max, .max_tokens = a.lookup};
+    b.draft = std::move(draft);
+    o.lookup = std::move(b);
+  }
+  return run_drafter(std::move(o), heads);
 }
 
 nlohmann::json describe_drafts(const run_args& a) {
-  return {{"dynamic", a.dynamic}, {"lookup_tokens", a.lookup}, {"lookup_ngram", {a.lookup_min, a.lookup_max}}};
+  nlohmann::json j = {{"dynamic", a.dynamic}, {"lookup_tokens", a.lookup}, {"lookup_ngram", {a.lookup_min, a.lookup_max}}};
+  if (!a.draft_model.empty() || a.self_draft_layers > 0) {
+    j["draft_model"] = a.draft_model.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.draft_model);
+    j["self_draft_layers"] = a.self_draft_layers;
+    j["draft_tokens"] = a.draft_tokens;
+    j["draft_alone"] = a.draft_alone;
+  }
+  return j;
 }
 
 std::vector<std::int32_t> encode_prompt(const medusa_llama::tokenizer& tok, const std::string& text, int seq_len,

@@ -5,11 +5,13 @@
 
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/dispatch/tree.hpp>
+#include <medusa/draft_model.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/io.hpp>
 #include <medusa/medusa.hpp>
 
 #include <medusa_llama/cpu.hpp>
+#include <medusa_llama/engine.hpp>
 #include <medusa_llama/load.hpp>
 #include <medusa_llama/model.hpp>
 #include <medusa_llama/packed_heads.hpp>
@@ -145,14 +147,45 @@ tree_choice choose_auto_tree(const run_args& a, const auto_inputs& in, Engine& e
   return c;
 }
 
-// Per-step drafts (--lookup, --dynamic): a step_drafter over the chosen tree, or nothing.
-std::optional<medusa::step_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads);
+// A draft model's chains (--draft-model, --self-draft-layers) on the CPU engine.
+using draft_branch = medusa::draft_model_branch<medusa_llama::engine>;
+
+// The branch of the per-step drafts: the prompt lookup's continuation where it finds one (--lookup),
+// else the draft model's chain.
+struct run_branch {
+  std::optional<medusa::ngram_lookup> lookup;
+  std::optional<draft_branch> draft;
+
+  [[nodiscard]] int max_tokens() const {
+    return std::max(lookup ? lookup->max_tokens : 0, draft ? draft->max_tokens() : 0);
+  }
+  void validate() const {
+    if (lookup) lookup->validate();
+    if (draft) draft->validate();
+  }
+  int find(int /*request*/, std::span<const std::int32_t> history, std::span<std::int32_t> out) {
+    if (lookup) {
+      const auto cap = std::min(out.size(), static_cast<std::size_t>(lookup->max_tokens));
+      if (const int n = lookup->find(history, out.first(cap)); n > 0) return n;
+    }
+    return draft ? draft->find(history, out) : 0;
+  }
+  void release(int request) {
+    if (draft) draft->release(request);
+  }
+};
+using run_drafter = medusa::basic_step_drafter<run_branch>;
+
+// Per-step drafts (--lookup, --dynamic, a draft model): a drafter over the chosen tree (or, with
+// --draft-alone, without it), or nothing.
+std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads,
+                                        std::optional<draft_branch> draft = std::nullopt);
 
 // Runs `body(tree_source)` with the per-step drafter when there is one, else with the tree (a
 // preset on its compile-time instantiation). `draft_sampling_policy` draws its own drafts and
 // takes no per-step drafter (checked before the model loads).
 template <class Policy, class F>
-decltype(auto) with_tree_source(const std::optional<medusa::step_drafter>& drafter, const medusa::tree& t, F&& body) {
+decltype(auto) with_tree_source(const std::optional<run_drafter>& drafter, const medusa::tree& t, F&& body) {
   if constexpr (!medusa::depth_draft_policy<Policy>)
     if (drafter) return body(*drafter);
   return medusa::dispatch_tree(t, body);

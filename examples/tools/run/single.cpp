@@ -17,9 +17,36 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
 
   medusa_llama::engine_options eo;
   eo.threads = a.threads;
-  eo.max_batch = std::max(64, (auto_tree ? a.max_nodes : want_medusa ? tree->num_nodes() : 1) + a.lookup);
+  const bool drafted = want_medusa && (!a.draft_model.empty() || a.self_draft_layers > 0);
+  eo.max_batch = std::max(64, (auto_tree ? a.max_nodes : want_medusa ? tree->num_nodes() : 1) +
+                                  std::max(a.lookup, drafted ? a.draft_tokens : 0));
   eo.backend = medusa_llama::gemm_backend::builtin;
   set_weight_formats(eo, a, lm.weights);
+  // The draft model (--draft-model, --self-draft-layers): its own engine and cache; it runs a
+  // request's whole prompt in its first pass.
+  std::optional<medusa_llama::engine> draft_engine;
+  if (drafted) {
+    medusa_llama::engine_options deo = eo;
+    deo.max_batch = std::max(eo.max_batch, lm.weights.config().seq_len);
+    if (a.self_draft_layers > 0) {
+      const int layers = lm.weights.config().n_layers;
+      if (a.self_draft_layers >= layers)
+        throw usage_error("--self-draft-layers must be below the model's " + std::to_string(layers) + " layers, got " +
+                          std::to_string(a.self_draft_layers));
+      draft_engine.emplace(lm.weights.first_layers(a.self_draft_layers), deo);
+    } else {
+      // With the target's tokenizer: a draft whose vocabulary differs fails to load, naming both.
+      std::optional<medusa_llama::loaded_model> dm;
+      try {
+        dm.emplace(medusa_llama::load(a.draft_model, lm.tokenizer_path));
+      } catch (const medusa_llama::load_error& e) {
+        throw medusa_llama::load_error(e.code(), std::string("the draft model, read with the target's tokenizer: ") + e.what(),
+                                       a.draft_model);
+      }
+      set_weight_formats(deo, a, dm->weights);
+      draft_engine.emplace(std::move(dm->weights), deo);
+    }
+  }
   medusa_llama::engine model(std::move(lm.weights), eo);
   tree_choice choice;
   if (auto_tree) {
@@ -29,10 +56,12 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
     choice = {tree, describe(*tree, a.tree)};
   }
   std::optional<medusa_llama::packed_heads> heads;
-  std::optional<medusa::step_drafter> drafter;
+  std::optional<run_drafter> drafter;
+  std::optional<draft_branch> draft;
   if (want_medusa) {
     heads.emplace(pack_heads(model, head_w, a, tree->depth()));
-    drafter = make_drafter(a, *tree, tree->depth());
+    if (draft_engine) draft.emplace(*draft_engine, model.vocab_size(), medusa::draft_model_options{.max_tokens = a.draft_tokens});
+    drafter = make_drafter(a, *tree, tree->depth(), draft);
     choice.info["drafts"] = describe_drafts(a);
   }
 
@@ -63,6 +92,11 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
           medusa::decoder dec(model, *heads, t, policy);
           return dec.generate(prompt, dopt, on_token);
         });
+        if (draft) {  // the draft's work over the request (the branch's copies share these counts)
+          choice.info["drafts"]["draft_tokens_run"] = draft->tokens_run();
+          choice.info["drafts"]["draft_passes"] = draft->passes();
+          draft->release(0);
+        }
         r.tree = choice.info;
       }
       r.text = sink.text();

@@ -139,6 +139,11 @@ class model {
   //! directory computes the same function. Throws `load_error` (`open_failed`) when writing fails.
   void save_hf(const std::filesystem::path& dir) const;
 
+  //! The same weights with only the first `layers` blocks (then the final norm and the
+  //! classifier): the draft of self-speculative decoding. Shares the weights' storage.
+  //! Throws `load_error` (`bad_header`) unless `1 <= layers <= n_layers`.
+  [[nodiscard]] model first_layers(int layers) const;
+
   //! The configuration.
   [[nodiscard]] const model_config& config() const noexcept { return config_; }
   //! `[vocab][dim]` token embedding.
