@@ -2,7 +2,8 @@
 // A draft model as the branch of a step drafter (draft_model.hpp): greedy decoding with its chains
 // equals plain greedy decoding, whether the draft is the target itself (every draft accepted), a
 // different model, or one whose context ends first; the draft's cache is reused across steps (it
-// runs each token about once, not the whole history every step); vocabularies that differ and
+// runs each token about once, not the whole history every step); the heads are not run for a tree
+// of the draft alone; vocabularies that differ and
 // tokens outside the draft's vocabulary are refused with errors that name them.
 #include "tiny_transformer.hpp"
 
@@ -12,6 +13,7 @@
 
 #include <doctest/doctest.h>
 
+#include <span>
 #include <string>
 #include <vector>
 
@@ -22,6 +24,17 @@ using tiny::tiny_model;
 using branch = medusa::draft_model_branch<tiny_model>;
 
 const std::vector<std::int32_t> prompt = {1, 5, 9, 13, 2, 7};
+
+// Random heads that count their calls: a tree of the draft alone reads none.
+struct counting_heads {
+  random_heads inner;
+  int calls = 0;
+  int num_heads() const { return inner.num_heads(); }
+  void forward(std::span<const float> h, std::span<float> logits) {
+    ++calls;
+    inner.forward(h, logits);
+  }
+};
 
 medusa::decode_options tokens(int n) {
   medusa::decode_options opt;
@@ -38,10 +51,11 @@ TEST_CASE("a draft model identical to the target: every draft accepted, tokens e
   for (const int k : {1, 4}) {
     CAPTURE(k);
     branch b(draft, target.vocab_size(), {.max_tokens = k});
-    random_heads heads(2, 3);
+    counting_heads heads{random_heads(2, 3)};
     medusa::decoder dec(target, heads, medusa::basic_step_drafter<branch>({.lookup = b}, 2), medusa::greedy_policy{});
     const auto r = dec.generate(prompt, opt);
     CHECK(r.tokens == plain.tokens);
+    CHECK(heads.calls == 0);  // the draft's chain alone reads no head
     MESSAGE(k << "-token chains: " << r.stats.steps << " steps for " << r.stats.new_tokens << " tokens, the draft ran "
               << b.tokens_run() << " tokens in " << b.passes() << " passes");
     // Each step accepts the whole chain and adds the bonus token.

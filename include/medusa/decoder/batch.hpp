@@ -663,9 +663,10 @@ class batch_decoder {
       s.rows = 1;
     }
 
-    // Draft heads over the tree requests' hidden states, then each request's candidates.
+    // Draft heads over the tree requests' hidden states, then each request's candidates. A
+    // drafter whose trees read no head (a lookup or a draft model alone) skips them.
     auto t0 = decode_clock::now();
-    if (R > 0) {
+    if (R > 0 && heads_depth() > 0) {
       if constexpr (request_draft_heads<Heads>) {  // rows in slot order, with their requests' ids
         heads_.forward(std::span<const float>(head_in_.data(), to_size(R) * d), R,
                        std::span<const int>(head_ids_.data(), to_size(R)),
