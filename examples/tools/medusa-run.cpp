@@ -60,7 +60,6 @@ int run(run_args a) {
   if (a.draft_alone && !drafted) throw usage_error("--draft-alone needs --draft-model or --self-draft-layers");
   if (a.draft_alone && a.dynamic) throw usage_error("--draft-alone drafts no heads' tree: it takes no --dynamic");
   if (drafted) {
-    if (batched) throw usage_error("--draft-model and --self-draft-layers serve one request: not with --prompts-file");
     if (a.policy == medusa::draft_sampling_policy::name)
       throw usage_error("--policy sampled draws its own drafts: it takes no draft model");
     if (a.device != "cpu") throw usage_error("--draft-model and --self-draft-layers run on the CPU (--device cpu)");

@@ -10,8 +10,10 @@
 //! common prefix. Drafts the target accepted are reused as they are; the step's bonus token (and
 //! any draft the target rejected) is caught up in one causal pass.
 //!
-//! The draft is any single-request `decoder_model` (e.g. the example engine over a small model);
-//! it serves one request, so use the branch with the single-request `decoder`.
+//! The draft is a single-request `decoder_model` (e.g. the example engine over a small model), for
+//! the single-request `decoder`, or a `batch_decoder_model` (e.g. the example's serving engine),
+//! whose request ids are the target's: then each request of a `batch_decoder` has its own draft
+//! cache, freed (`release(request, 0)`) when the request leaves.
 //!
 //! @code
 //! medusa::draft_model_branch<DraftEngine> draft(draft_engine, target.vocab_size(), {.max_tokens = 4});
@@ -29,6 +31,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -41,11 +44,18 @@ struct draft_model_options {
   int max_tokens = 4;  //!< tokens drafted after each root (≥ 1): the chain's length
 };
 
+//! A model a `draft_model_branch` can run: one request at a time, or a batch model.
+template <class M>
+concept draft_model = decoder_model<M> || batch_decoder_model<M>;
+
 //! The branch source of a `basic_step_drafter` that runs a draft model (see the file comment).
 //! Copies share the draft's cache state, as they share the model.
-template <decoder_model Draft>
+template <draft_model Draft>
 class draft_model_branch {
  public:
+  //! Whether the draft serves many requests (a `batch_decoder_model`), each with its own cache.
+  static constexpr bool batched = batch_decoder_model<Draft>;
+
   //! `draft` must outlive the branch and serve it alone. `target_vocab`: the target's vocabulary
   //! size. Throws `invalid_input` when the draft's vocabulary size differs (naming both) or
   //! `max_tokens < 1`.
@@ -67,12 +77,15 @@ class draft_model_branch {
   //! The longest chain drafted.
   [[nodiscard]] int max_tokens() const noexcept { return state_->opt.max_tokens; }
 
-  //! Writes the draft's greedy continuation of `history` (ending with the step's root) to `out`:
-  //! `min(max_tokens, out.size())` tokens, fewer where the draft's context ends; returns how many.
-  //! Throws `invalid_input` for a history token outside the vocabulary, `acceptance_error` for a
+  //! Writes the draft's greedy continuation of `history` (request `request`'s tokens, ending with
+  //! the step's root) to `out`: `min(max_tokens, out.size())` tokens, fewer where the draft's
+  //! context ends; returns how many. Throws `invalid_input` for a history token outside the
+  //! vocabulary (or a request other than 0 for a single-request draft), `acceptance_error` for a
   //! non-finite draft logit row, and what the draft's forward throws.
-  int find(std::span<const std::int32_t> history, std::span<std::int32_t> out) {
+  int find(int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) {
     state& s = *state_;
+    if (!batched && request != 0)
+      throw invalid_input("draft model: a single-request draft serves request 0, not request " + std::to_string(request));
     const int n = static_cast<int>(history.size());
     const int vocab = static_cast<int>(s.model->vocab_size());
     if (n == 0) return 0;
@@ -81,28 +94,36 @@ class draft_model_branch {
         throw invalid_input("draft model: history token " + std::to_string(t) + " is outside its vocabulary of " +
                             std::to_string(vocab));
     // Drafting K tokens writes the history's K/V and the first K − 1 drafts': slots [0, n + K − 1).
-    const int room = context() - n + 1;
+    const int room = context(request) - n + 1;
     const int count = std::min({s.opt.max_tokens, static_cast<int>(out.size()), room});
     if (count < 1) return 0;
     // The cache is right up to the common prefix; the root itself is always run (its logits).
+    std::vector<std::int32_t>& cached = s.cached[request];
     int keep = 0;
-    const int common = std::min(static_cast<int>(s.cached.size()), n - 1);
-    while (keep < common && s.cached[static_cast<std::size_t>(keep)] == history[static_cast<std::size_t>(keep)]) ++keep;
-    s.cached.assign(history.begin(), history.begin() + keep);
-    std::int32_t next = run(history.subspan(static_cast<std::size_t>(keep)), keep);
-    s.cached.insert(s.cached.end(), history.begin() + keep, history.end());
+    const int common = std::min(static_cast<int>(cached.size()), n - 1);
+    while (keep < common && cached[static_cast<std::size_t>(keep)] == history[static_cast<std::size_t>(keep)]) ++keep;
+    cached.assign(history.begin(), history.begin() + keep);
+    std::int32_t next = run(request, history.subspan(static_cast<std::size_t>(keep)), keep);
+    cached.insert(cached.end(), history.begin() + keep, history.end());
     out[0] = next;
     for (int i = 1; i < count; ++i) {
       const std::int32_t token[1] = {next};
-      next = run(token, n + i - 1);
-      s.cached.push_back(token[0]);
+      next = run(request, token, n + i - 1);
+      cached.push_back(token[0]);
       out[static_cast<std::size_t>(i)] = next;
     }
     return count;
   }
+  //! The same for request 0.
+  int find(std::span<const std::int32_t> history, std::span<std::int32_t> out) { return find(0, history, out); }
 
-  //! The request left: the draft's cache holds nothing of use any more.
-  void release(int /*request*/) { state_->cached.clear(); }
+  //! The request left: its draft cache holds nothing of use any more (a batch draft that frees
+  //! pages gets `release(request, 0)`).
+  void release(int request) {
+    state& s = *state_;
+    s.cached.erase(request);
+    if constexpr (batched && kv_releasing_model<Draft>) s.model->release(request, 0);
+  }
 
   //! Tokens the draft has run so far (the catch-up passes and the chains), for its cost.
   [[nodiscard]] std::int64_t tokens_run() const noexcept { return state_->tokens_run; }
@@ -113,42 +134,48 @@ class draft_model_branch {
   struct state {
     Draft* model;
     draft_model_options opt;
-    std::vector<std::int32_t> cached;  // the tokens whose K/V the draft's cache holds, slot by slot
+    std::map<int, std::vector<std::int32_t>> cached;  // per request: the tokens its draft cache holds, slot by slot
     std::vector<std::int32_t> positions;
     std::vector<float> logits, hidden;  // hidden: not read, but models may write it unasked
     std::int64_t tokens_run, passes;
   };
 
-  // The draft's context: `max_context()` where it has one, else its cache's capacity.
-  [[nodiscard]] int context() const {
+  // The draft's context for `request`: `max_context()` where it has one, else its cache's capacity.
+  [[nodiscard]] int context(int request) const {
     Draft& m = *state_->model;
-    if constexpr (context_bounded_model<Draft>) return static_cast<int>(m.max_context());
+    if constexpr (batched) return detail::request_context(m, request);
+    else if constexpr (context_bounded_model<Draft>) return static_cast<int>(m.max_context());
     else return kv_capacity(m.kv_cache());
   }
 
-  // Runs `tokens` at slots [length, length + T) (causal) and returns the greedy next token.
-  std::int32_t run(std::span<const std::int32_t> tokens, int length) {
+  // Runs `tokens` at slots [length, length + T) of `request` (causal) and returns the greedy next
+  // token.
+  std::int32_t run(int request, std::span<const std::int32_t> tokens, int length) {
     state& s = *state_;
     const int T = static_cast<int>(tokens.size());
     if constexpr (kv_granting_model<Draft>) {
-      if (static_cast<int>(s.model->reserve(0, length + T)) < length + T)
+      if (static_cast<int>(s.model->reserve(request, length + T)) < length + T)
         throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " +
                                                           std::to_string(length + T) + " slots");
     } else if constexpr (kv_reserving_model<Draft>) {
-      s.model->reserve(0, length + T);
+      s.model->reserve(request, length + T);
     }
     s.positions.resize(static_cast<std::size_t>(T));
     for (int i = 0; i < T; ++i) s.positions[static_cast<std::size_t>(i)] = length + i;
     s.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
     s.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
-    forward_batch b;
-    b.tokens = tokens;
-    b.positions = s.positions;
-    b.cache_length = length;
-    b.first_output_row = T - 1;
-    b.logits = s.logits;
-    b.hidden = s.hidden;
-    s.model->forward(b);
+    if constexpr (batched) {
+      detail::forward_request(*s.model, request, tokens, s.positions, length, /*last_row_only=*/true, s.logits, s.hidden);
+    } else {
+      forward_batch b;
+      b.tokens = tokens;
+      b.positions = s.positions;
+      b.cache_length = length;
+      b.first_output_row = T - 1;
+      b.logits = s.logits;
+      b.hidden = s.hidden;
+      s.model->forward(b);
+    }
     s.tokens_run += T;
     ++s.passes;
     return argmax(s.logits);

@@ -2,10 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # medusa-run with a draft model: the target's first layers (--self-draft-layers) alone, beside the
 # heads' tree and with a prompt lookup, and the target itself as --draft-model (every chain
-# accepted: 4 tokens a step); every run's Medusa tokens equal plain greedy decoding, and the draft
-# ran. Usage: medusa_run_draft.sh TOOL SHARED_DIR
+# accepted: 4 tokens a step), one request and three prompts two at a time (--prompts-file --batch);
+# every request's Medusa tokens equal plain greedy decoding, and the draft ran.
+# Usage: medusa_run_draft.sh TOOL SHARED_DIR SCRATCH_DIR
 set -u
-tool=$1 shared=$2
+tool=$1 shared=$2 scratch=$3
 pycode="$shared/models/pycode-15m/model.bin"
 if [ ! -f "$pycode" ]; then echo "shared models not found: skipped"; exit 77; fi
 status=0
@@ -31,5 +32,24 @@ sys.exit(0 if ok else 1)')
   vrc=$?
   echo "[$extra] exit $rc: $verdict"
   if [ "$rc" -ne 0 ] || [ "$vrc" -ne 0 ]; then status=1; fi
+done
+
+# The serving engine: each request its own draft cache, requests joining as others finish.
+mkdir -p "$scratch"
+printf '%s\n' 'import os\nimport sys\n' 'class Stack:\n    def __init__(self):\n' 'def parse_args(argv):\n' \
+  > "$scratch/draft_prompts.txt"
+for extra in "--self-draft-layers 4 --draft-alone" "--draft-model $pycode --draft-alone"; do
+  # shellcheck disable=SC2086  # $extra holds several words
+  summary=$("$tool" --model "$pycode" --heads random:4 --draft-tokens 3 $extra --prompts-file "$scratch/draft_prompts.txt" \
+            --batch 2 --mode both --max-new-tokens 32 --threads 1 --json 2>/dev/null | tail -n 1)
+  rc=$?
+  echo "[batch $extra] exit $rc: $summary"
+  if ! printf '%s' "$summary" | python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+assert s["requests"] == 3 and s["identical"] is True, s
+assert s["vanilla"]["tokens"] == s["medusa"]["tokens"] > 0, s
+assert s["tree"]["drafts"]["draft_tokens_run"] > 0, s
+'; then status=1; fi
 done
 exit $status

@@ -43,7 +43,7 @@ case $case in
   draft_vocab)       want=1; pat='draft model.*tokenizer has 2048 tokens, the model 512'; args=(--model "$pycode" --heads random:4 --draft-model "$shared/models/stories260K/stories260K.bin" --prompt x) ;;
   draft_layers)      want=2; pat='below the model.s 8 layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 8 --prompt x) ;;
   draft_both)        want=2; pat='give one of --draft-model and --self-draft-layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-model "$pycode") ;;
-  draft_batch)       want=2; pat='serve one request';     args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --prompts-file "$scratch/prompts.txt") ;;
+  draft_tokens)      want=2; pat='--draft-tokens must be in'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-tokens 0) ;;
   draft_alone)       want=2; pat='--draft-alone needs';   args=(--model "$pycode" --heads random:4 --draft-alone) ;;
   *) echo "unknown case $case"; exit 1 ;;
 esac

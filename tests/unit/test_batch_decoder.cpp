@@ -6,6 +6,8 @@
 #include "tiny_transformer.hpp"
 
 #include <medusa/decoder.hpp>
+#include <medusa/draft_model.hpp>
+#include <medusa/drafts.hpp>
 #include <medusa/tree.hpp>
 
 #include <doctest/doctest.h>
@@ -273,6 +275,14 @@ TEST_CASE("a batch with joins and leaves gives each request exactly its tokens a
                                        .lookup = medusa::ngram_lookup{.min_ngram = 1, .max_tokens = 6}},
                                       5);
     check(rnd, hybrid);
+  }
+  SUBCASE("a batch draft model: each request its own draft cache, its pages freed when it leaves") {
+    paged_engine draft_eng(weights, 600, 256, requests);  // the target's weights: every chain accepted
+    const medusa::draft_model_branch<paged_engine> draft(draft_eng, tiny_model::vocab, {.max_tokens = 4});
+    const auto out = check(rnd, medusa::basic_step_drafter<medusa::draft_model_branch<paged_engine>>({.lookup = draft}, 5));
+    for (const auto& [id, res] : out) CHECK(res.stats.mean_accepted() > 3.0);
+    CHECK(draft.tokens_run() > 0);
+    CHECK(draft_eng.pages_in_use() == 0);  // every request's draft cache released, request 2's too
   }
 }
 

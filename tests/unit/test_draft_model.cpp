@@ -109,7 +109,7 @@ TEST_CASE("a draft whose context ends before the target's drafts less, then noth
   CHECK(b.find(full, out) == 0);   // past the draft's context: no draft, a plain step
 }
 
-TEST_CASE("bad drafts are refused: another vocabulary, a token outside it, no tokens to draft") {
+TEST_CASE("bad drafts are refused: another vocabulary, a token outside it, another request of a single draft") {
   tiny_model draft(64);
   try {
     (void)branch(draft, tiny_model::vocab + 1);
@@ -124,5 +124,8 @@ TEST_CASE("bad drafts are refused: another vocabulary, a token outside it, no to
   std::vector<std::int32_t> out(4);
   const std::vector<std::int32_t> outside = {1, tiny_model::vocab};
   CHECK_THROWS_AS(b.find(outside, out), medusa::invalid_input);
+  const std::vector<std::int32_t> fine = {1, 2};
+  CHECK_THROWS_AS(b.find(1, fine, out), medusa::invalid_input);  // a single-request draft serves request 0
+  CHECK(b.find(0, fine, out) == 4);
   CHECK(b.find(std::vector<std::int32_t>{}, out) == 0);
 }

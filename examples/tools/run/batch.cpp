@@ -59,8 +59,20 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   medusa_llama::batch_engine_options eo;
   eo.threads = a.threads;
   eo.max_requests = *a.batch;
-  eo.max_tokens = std::max(256, *a.batch * ((auto_tree ? a.max_nodes : given_tree ? given_tree->num_nodes() : 1) + a.lookup));
+  const int branch_tokens = std::max(a.lookup, !a.draft_model.empty() || a.self_draft_layers > 0 ? a.draft_tokens : 0);
+  eo.max_tokens =
+      std::max(256, *a.batch * ((auto_tree ? a.max_nodes : given_tree ? given_tree->num_nodes() : 1) + branch_tokens));
   set_weight_formats(eo, a, lm.weights);
+  // The draft model (--draft-model, --self-draft-layers): a serving engine of its own with the
+  // same request ids, a cache per request; it runs a request's whole prompt in its first pass.
+  std::optional<medusa_llama::batch_engine> draft_engine;
+  if (a.mode != run_mode::vanilla && (!a.draft_model.empty() || a.self_draft_layers > 0)) {
+    medusa_llama::batch_engine_options deo = eo;
+    deo.max_tokens = std::max(eo.max_tokens, lm.weights.config().seq_len);
+    auto weights = load_draft(a, lm);
+    set_weight_formats(deo, a, *weights);
+    draft_engine.emplace(std::move(*weights), deo);
+  }
   medusa_llama::batch_engine eng(std::move(lm.weights), eo);
   tree_choice choice;
   std::size_t prompt_sum = 0;
@@ -76,6 +88,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   const int bos = lm.tok->bos_id();
 
   std::vector<batch_report> reports;
+  std::int64_t draft_tokens_run = -1, draft_passes = -1;  // the draft model's work, when there is one
   if (a.mode != run_mode::medusa) {
     medusa::no_heads none;
     medusa::batch_decoder dec(eng, none, medusa::plain_tree{}, policy, *a.batch);
@@ -83,11 +96,17 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   }
   if (a.mode != run_mode::vanilla) {
     auto heads = pack_heads(eng, head_w, a, tree->depth());
-    const auto drafter = make_drafter(a, *tree, tree->depth());
+    std::optional<medusa::draft_model_branch<medusa_llama::batch_engine>> draft;
+    if (draft_engine) draft.emplace(*draft_engine, eng.vocab_size(), medusa::draft_model_options{.max_tokens = a.draft_tokens});
+    const auto drafter = make_drafter(a, *tree, tree->depth(), draft ? draft_source::of(*draft) : draft_source{});
     reports.push_back(with_tree_source<Policy>(drafter, *tree, [&](const auto& t) {
       medusa::batch_decoder dec(eng, heads, t, policy, *a.batch);
       return serve_all(dec, eng, prompts, dopt, bos, "medusa");
     }));
+    if (draft) {
+      draft_tokens_run = draft->tokens_run();
+      draft_passes = draft->passes();
+    }
   }
   for (auto& r : reports)
     for (std::size_t i = 0; i < prompts.size(); ++i) {
@@ -105,6 +124,10 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   if (tree) {
     summary["tree"] = choice.info;
     summary["tree"]["drafts"] = describe_drafts(a);
+    if (draft_tokens_run >= 0) {
+      summary["tree"]["drafts"]["draft_tokens_run"] = draft_tokens_run;
+      summary["tree"]["drafts"]["draft_passes"] = draft_passes;
+    }
   }
   return report_batch(a, reports, prompts.size(), *a.batch, summary, greedy, greedy ? predicted_note(choice.info) : "");
 }

@@ -72,20 +72,36 @@ auto_inputs prepare_auto(const run_args& a) {
   return in;
 }
 
-std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads,
-                                        std::optional<draft_branch> draft) {
-  if (a.lookup == 0 && !a.dynamic && !draft) return std::nullopt;
+std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads, draft_source draft) {
+  if (a.lookup == 0 && !a.dynamic && !draft.find) return std::nullopt;
   medusa::basic_step_drafter_options<run_branch> o;
   if (a.dynamic) o.dynamic_nodes = t.num_nodes();
   else if (!a.draft_alone) o.paths = t.sorted_paths();
   o.topk = t.topk();
-  if (a.lookup > 0 || draft) {
+  if (a.lookup > 0 || draft.find) {
     run_branch b;
     if (a.lookup > 0) b.lookup = medusa::ngram_lookup{.min_ngram = a.lookup_min, .max_ngram = a.lookup_max, .max_tokens = a.lookup};
     b.draft = std::move(draft);
     o.lookup = std::move(b);
   }
   return run_drafter(std::move(o), heads);
+}
+
+std::optional<medusa_llama::model> load_draft(const run_args& a, const medusa_llama::loaded_model& lm) {
+  if (a.self_draft_layers > 0) {
+    const int layers = lm.weights.config().n_layers;
+    if (a.self_draft_layers >= layers)
+      throw usage_error("--self-draft-layers must be below the model's " + std::to_string(layers) + " layers, got " +
+                        std::to_string(a.self_draft_layers));
+    return lm.weights.first_layers(a.self_draft_layers);
+  }
+  if (a.draft_model.empty()) return std::nullopt;
+  try {
+    return medusa_llama::load(a.draft_model, lm.tokenizer_path).weights;
+  } catch (const medusa_llama::load_error& e) {
+    throw medusa_llama::load_error(e.code(), std::string("the draft model, read with the target's tokenizer: ") + e.what(),
+                                   a.draft_model);
+  }
 }
 
 nlohmann::json describe_drafts(const run_args& a) {

@@ -11,7 +11,6 @@
 #include <medusa/medusa.hpp>
 
 #include <medusa_llama/cpu.hpp>
-#include <medusa_llama/engine.hpp>
 #include <medusa_llama/load.hpp>
 #include <medusa_llama/model.hpp>
 #include <medusa_llama/packed_heads.hpp>
@@ -28,7 +27,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -147,39 +148,53 @@ tree_choice choose_auto_tree(const run_args& a, const auto_inputs& in, Engine& e
   return c;
 }
 
-// A draft model's chains (--draft-model, --self-draft-layers) on the CPU engine.
-using draft_branch = medusa::draft_model_branch<medusa_llama::engine>;
+// A draft model's chains (--draft-model, --self-draft-layers): any `draft_model_branch`, over the
+// single-request engine or the serving engine (--prompts-file), behind one type.
+struct draft_source {
+  int tokens = 0;  // chain length; 0 = no draft model
+  std::function<int(int, std::span<const std::int32_t>, std::span<std::int32_t>)> find;
+  std::function<void(int)> release;
+
+  template <class Draft>
+  static draft_source of(medusa::draft_model_branch<Draft> b) {
+    return {b.max_tokens(),
+            [b](int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) mutable {
+              return b.find(request, history, out);
+            },
+            [b](int request) mutable { b.release(request); }};
+  }
+};
 
 // The branch of the per-step drafts: the prompt lookup's continuation where it finds one (--lookup),
 // else the draft model's chain.
 struct run_branch {
   std::optional<medusa::ngram_lookup> lookup;
-  std::optional<draft_branch> draft;
+  draft_source draft;
 
-  [[nodiscard]] int max_tokens() const {
-    return std::max(lookup ? lookup->max_tokens : 0, draft ? draft->max_tokens() : 0);
-  }
+  [[nodiscard]] int max_tokens() const { return std::max(lookup ? lookup->max_tokens : 0, draft.tokens); }
   void validate() const {
     if (lookup) lookup->validate();
-    if (draft) draft->validate();
   }
-  int find(int /*request*/, std::span<const std::int32_t> history, std::span<std::int32_t> out) {
+  int find(int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) {
     if (lookup) {
       const auto cap = std::min(out.size(), static_cast<std::size_t>(lookup->max_tokens));
       if (const int n = lookup->find(history, out.first(cap)); n > 0) return n;
     }
-    return draft ? draft->find(history, out) : 0;
+    return draft.find ? draft.find(request, history, out) : 0;
   }
   void release(int request) {
-    if (draft) draft->release(request);
+    if (draft.release) draft.release(request);
   }
 };
 using run_drafter = medusa::basic_step_drafter<run_branch>;
 
 // Per-step drafts (--lookup, --dynamic, a draft model): a drafter over the chosen tree (or, with
 // --draft-alone, without it), or nothing.
-std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads,
-                                        std::optional<draft_branch> draft = std::nullopt);
+std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads, draft_source draft = {});
+
+// The draft model's weights (--self-draft-layers: the target's first layers; --draft-model: the
+// file, read with the target's tokenizer so that another vocabulary fails to load), or nothing.
+std::optional<medusa_llama::model> load_draft(const run_args& a, const medusa_llama::loaded_model& lm);
 
 // Runs `body(tree_source)` with the per-step drafter when there is one, else with the tree (a
 // preset on its compile-time instantiation). `draft_sampling_policy` draws its own drafts and

@@ -5,6 +5,8 @@
 
 #include <medusa_llama/engine.hpp>
 
+#include <medusa/draft_model.hpp>
+
 #include <type_traits>
 
 namespace medusa_run {
@@ -28,24 +30,9 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   if (drafted) {
     medusa_llama::engine_options deo = eo;
     deo.max_batch = std::max(eo.max_batch, lm.weights.config().seq_len);
-    if (a.self_draft_layers > 0) {
-      const int layers = lm.weights.config().n_layers;
-      if (a.self_draft_layers >= layers)
-        throw usage_error("--self-draft-layers must be below the model's " + std::to_string(layers) + " layers, got " +
-                          std::to_string(a.self_draft_layers));
-      draft_engine.emplace(lm.weights.first_layers(a.self_draft_layers), deo);
-    } else {
-      // With the target's tokenizer: a draft whose vocabulary differs fails to load, naming both.
-      std::optional<medusa_llama::loaded_model> dm;
-      try {
-        dm.emplace(medusa_llama::load(a.draft_model, lm.tokenizer_path));
-      } catch (const medusa_llama::load_error& e) {
-        throw medusa_llama::load_error(e.code(), std::string("the draft model, read with the target's tokenizer: ") + e.what(),
-                                       a.draft_model);
-      }
-      set_weight_formats(deo, a, dm->weights);
-      draft_engine.emplace(std::move(dm->weights), deo);
-    }
+    auto weights = load_draft(a, lm);
+    set_weight_formats(deo, a, *weights);
+    draft_engine.emplace(std::move(*weights), deo);
   }
   medusa_llama::engine model(std::move(lm.weights), eo);
   tree_choice choice;
@@ -57,11 +44,11 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   }
   std::optional<medusa_llama::packed_heads> heads;
   std::optional<run_drafter> drafter;
-  std::optional<draft_branch> draft;
+  std::optional<medusa::draft_model_branch<medusa_llama::engine>> draft;
   if (want_medusa) {
     heads.emplace(pack_heads(model, head_w, a, tree->depth()));
     if (draft_engine) draft.emplace(*draft_engine, model.vocab_size(), medusa::draft_model_options{.max_tokens = a.draft_tokens});
-    drafter = make_drafter(a, *tree, tree->depth(), draft);
+    drafter = make_drafter(a, *tree, tree->depth(), draft ? draft_source::of(*draft) : draft_source{});
     choice.info["drafts"] = describe_drafts(a);
   }
 
