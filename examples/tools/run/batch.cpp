@@ -64,7 +64,8 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
       std::max(256, *a.batch * ((auto_tree ? a.max_nodes : given_tree ? given_tree->num_nodes() : 1) + branch_tokens));
   set_weight_formats(eo, a, lm.weights);
   // The draft model (--draft-model, --self-draft-layers): a serving engine of its own with the
-  // same request ids, a cache per request; it runs a request's whole prompt in its first pass.
+  // same request ids, a cache per request; passes as large as a prompt, which it runs in its
+  // first call.
   std::optional<medusa_llama::batch_engine> draft_engine;
   if (a.mode != run_mode::vanilla && (!a.draft_model.empty() || a.self_draft_layers > 0)) {
     medusa_llama::batch_engine_options deo = eo;

@@ -24,8 +24,8 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
                                   std::max(a.lookup, drafted ? a.draft_tokens : 0));
   eo.backend = medusa_llama::gemm_backend::builtin;
   set_weight_formats(eo, a, lm.weights);
-  // The draft model (--draft-model, --self-draft-layers): its own engine and cache; it runs a
-  // request's whole prompt in its first pass.
+  // The draft model (--draft-model, --self-draft-layers): its own engine and cache; passes as
+  // large as a prompt, which it runs in its first call.
   std::optional<medusa_llama::engine> draft_engine;
   if (drafted) {
     medusa_llama::engine_options deo = eo;
