@@ -24,6 +24,7 @@
 
 #include <medusa/config.hpp>
 #include <medusa/candidates.hpp>
+#include <medusa/decoder.hpp>
 #include <medusa/decoder/model.hpp>
 #include <medusa/error.hpp>
 #include <medusa/kv_cache.hpp>
@@ -35,6 +36,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 MEDUSA_NAMESPACE_BEGIN
@@ -140,12 +142,21 @@ class draft_model_branch {
     std::int64_t tokens_run, passes;
   };
 
+  // Calls `f` with the draft as a batch model: itself, or a single-request draft seen as a batch of
+  // one (`detail::single_request_model`, request 0), so that both take one path.
+  template <class F>
+  decltype(auto) as_batch(F&& f) const {
+    if constexpr (batched) {
+      return f(*state_->model);
+    } else {
+      detail::single_request_model<Draft> one(*state_->model);
+      return f(one);
+    }
+  }
+
   // The draft's context for `request`: `max_context()` where it has one, else its cache's capacity.
   [[nodiscard]] int context(int request) const {
-    Draft& m = *state_->model;
-    if constexpr (batched) return detail::request_context(m, request);
-    else if constexpr (context_bounded_model<Draft>) return static_cast<int>(m.max_context());
-    else return kv_capacity(m.kv_cache());
+    return as_batch([&](auto& m) { return detail::request_context(m, request); });
   }
 
   // Runs `tokens` at slots [length, length + T) of `request` (causal) and returns the greedy next
@@ -153,29 +164,21 @@ class draft_model_branch {
   std::int32_t run(int request, std::span<const std::int32_t> tokens, int length) {
     state& s = *state_;
     const int T = static_cast<int>(tokens.size());
-    if constexpr (kv_granting_model<Draft>) {
-      if (static_cast<int>(s.model->reserve(request, length + T)) < length + T)
-        throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " +
-                                                          std::to_string(length + T) + " slots");
-    } else if constexpr (kv_reserving_model<Draft>) {
-      s.model->reserve(request, length + T);
-    }
     s.positions.resize(static_cast<std::size_t>(T));
     for (int i = 0; i < T; ++i) s.positions[static_cast<std::size_t>(i)] = length + i;
     s.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
     s.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
-    if constexpr (batched) {
-      detail::forward_request(*s.model, request, tokens, s.positions, length, /*last_row_only=*/true, s.logits, s.hidden);
-    } else {
-      forward_batch b;
-      b.tokens = tokens;
-      b.positions = s.positions;
-      b.cache_length = length;
-      b.first_output_row = T - 1;
-      b.logits = s.logits;
-      b.hidden = s.hidden;
-      s.model->forward(b);
-    }
+    as_batch([&](auto& m) {
+      using M = std::remove_reference_t<decltype(m)>;
+      if constexpr (kv_granting_model<M>) {
+        if (static_cast<int>(m.reserve(request, length + T)) < length + T)
+          throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " +
+                                                            std::to_string(length + T) + " slots");
+      } else if constexpr (kv_reserving_model<M>) {
+        m.reserve(request, length + T);
+      }
+      detail::forward_request(m, request, tokens, s.positions, length, /*last_row_only=*/true, s.logits, s.hidden);
+    });
     s.tokens_run += T;
     ++s.passes;
     return argmax(s.logits);
