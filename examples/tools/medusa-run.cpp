@@ -51,7 +51,7 @@ int run(run_args a) {
     throw usage_error("--calibrate-out needs --heads and --policy greedy (it counts the heads against greedy outputs)");
   if ((a.lookup > 0 || a.dynamic) && a.policy == medusa::draft_sampling_policy::name)
     throw usage_error("--policy sampled draws its own drafts: it takes no --lookup or --dynamic");
-  const bool drafted = !a.draft_model.empty() || a.self_draft_layers != 0;
+  const bool drafted = a.drafted();
   if (!a.draft_model.empty() && a.self_draft_layers != 0)
     throw usage_error("give one of --draft-model and --self-draft-layers");
   if (a.self_draft_layers < 0) throw usage_error("--self-draft-layers must be >= 1, got " + std::to_string(a.self_draft_layers));

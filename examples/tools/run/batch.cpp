@@ -59,7 +59,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   medusa_llama::batch_engine_options eo;
   eo.threads = a.threads;
   eo.max_requests = *a.batch;
-  const int branch_tokens = std::max(a.lookup, !a.draft_model.empty() || a.self_draft_layers > 0 ? a.draft_tokens : 0);
+  const int branch_tokens = std::max(a.lookup, a.drafted() ? a.draft_tokens : 0);
   eo.max_tokens =
       std::max(256, *a.batch * ((auto_tree ? a.max_nodes : given_tree ? given_tree->num_nodes() : 1) + branch_tokens));
   set_weight_formats(eo, a, lm.weights);
@@ -67,7 +67,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   // same request ids, a cache per request; passes as large as a prompt, which it runs in its
   // first call.
   std::optional<medusa_llama::batch_engine> draft_engine;
-  if (a.mode != run_mode::vanilla && (!a.draft_model.empty() || a.self_draft_layers > 0)) {
+  if (a.mode != run_mode::vanilla && a.drafted()) {
     medusa_llama::batch_engine_options deo = eo;
     deo.max_tokens = std::max(eo.max_tokens, lm.weights.config().seq_len);
     auto weights = load_draft(a, lm);

@@ -32,6 +32,8 @@ struct run_args {
   int self_draft_layers = 0;                             // the target's first k layers as the draft (0 = off)
   int draft_tokens = 4;                                  // the draft's chain length
   bool draft_alone = false;                              // the step's tree is the draft's chain (and lookup) only
+  // Whether a draft model was asked for (--draft-model or --self-draft-layers).
+  [[nodiscard]] bool drafted() const { return !draft_model.empty() || self_draft_layers != 0; }
   std::string calibrate_out;                             // write path counts of the greedy outputs here
   std::optional<int> batch;  // requests at once with --prompts-file (default 1)
   run_mode mode = run_mode::medusa;

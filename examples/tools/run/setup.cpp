@@ -106,7 +106,7 @@ std::optional<medusa_llama::model> load_draft(const run_args& a, const medusa_ll
 
 nlohmann::json describe_drafts(const run_args& a) {
   nlohmann::json j = {{"dynamic", a.dynamic}, {"lookup_tokens", a.lookup}, {"lookup_ngram", {a.lookup_min, a.lookup_max}}};
-  if (!a.draft_model.empty() || a.self_draft_layers > 0) {
+  if (a.drafted()) {
     j["draft_model"] = a.draft_model.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.draft_model);
     j["self_draft_layers"] = a.self_draft_layers;
     j["draft_tokens"] = a.draft_tokens;

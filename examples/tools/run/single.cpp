@@ -19,7 +19,7 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
 
   medusa_llama::engine_options eo;
   eo.threads = a.threads;
-  const bool drafted = want_medusa && (!a.draft_model.empty() || a.self_draft_layers > 0);
+  const bool drafted = want_medusa && a.drafted();
   eo.max_batch = std::max(64, (auto_tree ? a.max_nodes : want_medusa ? tree->num_nodes() : 1) +
                                   std::max(a.lookup, drafted ? a.draft_tokens : 0));
   eo.backend = medusa_llama::gemm_backend::builtin;
