@@ -265,6 +265,14 @@ std::optional<std::string> take_flag(int& argc, char** argv, const char* name) {
   return std::nullopt;
 }
 
+// `text` as a whole number in [lo, hi], or nothing.
+std::optional<long> whole_number(const std::string& text, long lo, long hi) {
+  char* end = nullptr;
+  const long v = std::strtol(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end != '\0' || v < lo || v > hi) return std::nullopt;
+  return v;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -282,22 +290,20 @@ int main(int argc, char** argv) {
     library_gemm = *f == "library";
   }
   if (auto f = take_flag(argc, argv, "--kv-split")) {
-    char* end = nullptr;
-    const long v = std::strtol(f->c_str(), &end, 10);
-    if (end == f->c_str() || *end != '\0' || v < 32 || v % 32 != 0 || v > 1 << 20) {
+    const std::optional<long> v = whole_number(*f, 32, 1 << 20);
+    if (!v || *v % 32 != 0) {
       std::fprintf(stderr, "--kv-split must be a positive multiple of 32, got %s\n", f->c_str());
       return 2;
     }
-    kv_split = static_cast<int>(v);
+    kv_split = static_cast<int>(*v);
   }
   if (auto f = take_flag(argc, argv, "--context")) {
-    char* end = nullptr;
-    const long v = std::strtol(f->c_str(), &end, 10);
-    if (end == f->c_str() || *end != '\0' || v < 1 || v > 1 << 17) {
+    const std::optional<long> v = whole_number(*f, 1, 1 << 17);
+    if (!v) {
       std::fprintf(stderr, "--context must be a number of tokens from 1 to 131072, got %s\n", f->c_str());
       return 2;
     }
-    context = static_cast<int>(v);
+    context = static_cast<int>(*v);
   }
   benchmark::Initialize(&argc, argv);
   for (const shape& s : shapes()) {
