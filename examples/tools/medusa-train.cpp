@@ -106,8 +106,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--decode-tokens", o.decode_tokens, "tokens per acceptance prompt")->capture_default_str();
   std::string recipe = "medusa1";
-  app.add_option("--recipe", recipe, "medusa1: heads on the frozen model; medusa2: then heads and a LoRA-adapted backbone jointly")
-      ->check(CLI::IsMember({"medusa1", "medusa2"}))
+  app.add_option("--recipe", recipe,
+                 "medusa1: heads on the frozen model; medusa2: then heads and a LoRA-adapted backbone jointly; draft: a small draft "
+                 "model distilled from the model (OUT/draft/model.bin, for medusa-run --draft-model)")
+      ->check(CLI::IsMember({"medusa1", "medusa2", "draft"}))
       ->capture_default_str();
   app.add_option("--init-heads", o.init_heads, "start from these trained heads (medusa2: instead of the heads-only stage)");
   app.add_option("--lora-rank", o.lora.rank, "medusa2: LoRA rank r (1..d)")->capture_default_str();
@@ -118,8 +120,15 @@ int main(int argc, char** argv) {
   app.add_option("--heads-coefficient", o.heads_coefficient, "medusa2: weight of the heads' loss next to the self-distillation KL")
       ->capture_default_str();
   app.add_option("--joint-epochs", o.joint_epochs, "medusa2: passes of the joint stage over the training sequences")->capture_default_str();
-  app.add_option("--batch-sequences", o.batch_sequences, "medusa2: sequences per joint step")->capture_default_str();
-  app.add_option("--teacher-topk", o.teacher_topk, "medusa2: logits of the original model kept per position for the KL")->capture_default_str();
+  app.add_option("--batch-sequences", o.batch_sequences, "medusa2, draft: sequences per optimiser step")->capture_default_str();
+  app.add_option("--teacher-topk", o.teacher_topk, "medusa2, draft: logits of the original model kept per position for the KL")
+      ->capture_default_str();
+  app.add_option("--draft-layers", o.draft_layers, "draft: blocks of the draft model")->capture_default_str();
+  app.add_option("--draft-dim", o.draft_dim, "draft: width of the draft model")->capture_default_str();
+  app.add_option("--draft-hidden-dim", o.draft_hidden, "draft: SwiGLU width (0: 3 x the width)")->capture_default_str();
+  app.add_option("--draft-heads", o.draft_heads, "draft: attention heads")->capture_default_str();
+  app.add_option("--draft-lr", o.draft_lr, "draft: peak learning rate")->capture_default_str();
+  app.add_option("--draft-epochs", o.draft_epochs, "draft: passes over the training sequences")->capture_default_str();
   bool quiet = false;
   app.add_flag("--no-progress", quiet, "no progress lines (errors and the summary only)");
 
@@ -127,7 +136,7 @@ int main(int argc, char** argv) {
     if (o.prompts.empty() && o.corpus.empty()) throw medusa_tools::usage_error("give --prompts FILE or --corpus DIR");
     o.cache_dtype = cache_dtypes.at(cache_dtype);
     o.heads_dtype = heads_dtypes.at(heads_dtype);
-    o.what = recipe == "medusa2" ? medusa_train::recipe::medusa2 : medusa_train::recipe::medusa1;
+    o.what = recipe == "medusa2" ? medusa_train::recipe::medusa2 : recipe == "draft" ? medusa_train::recipe::draft : medusa_train::recipe::medusa1;
     status_line st;
     medusa_train::run_events ev;
     ev.log = [&](const std::string& s) { st.line(s); };
@@ -150,8 +159,24 @@ int main(int argc, char** argv) {
                               p.total_steps, p.kl, p.head_loss, acc, p.lr, p.positions_per_second, duration(p.elapsed), duration(p.eta)),
                   p.step == p.total_steps);
       };
+      ev.on_draft = [&](const medusa_train::draft_progress& p) {
+        st.update(fmt::format("draft step {:>6}/{}  KL {:.4f}  agreement {:4.1f}%  lr {:.2e}  {:5.0f} pos/s  elapsed {}  ETA {}", p.step,
+                              p.total_steps, p.kl, 100 * p.agreement, p.lr, p.positions_per_second, duration(p.elapsed), duration(p.eta)),
+                  p.step == p.total_steps);
+      };
     }
     const auto r = medusa_train::run_training(o, ev);
+    if (o.what == medusa_train::recipe::draft) {
+      const auto& q = r.draft_eval;
+      st.line(fmt::format("draft: {} steps ({} positions seen) in {:.1f} s{}", r.draft_fit.steps, r.draft_fit.positions_seen, r.draft_fit.seconds,
+                          r.draft_fit.budget_limited ? " (shortened by the budget)" : ""));
+      st.line(fmt::format("held-out: {} positions, agreement with the model's greedy tokens {:.1f}%", q.positions, 100 * q.agreement));
+      st.line("chain  accepted  tokens/step");
+      for (std::size_t k = 0; k < q.chain_tokens.size(); ++k)
+        st.line(fmt::format("{:>5}  {:7.1f}%  {:.3f}", k + 1, 100 * q.acceptance[k], q.chain_tokens[k]));
+      st.line(fmt::format("wrote {} and calibration.json ({:.1f} s total)", r.draft_file.string(), r.total_seconds));
+      return medusa_tools::exit_ok;
+    }
     if (r.fit.steps > 0 || o.init_heads.empty())
       st.line(fmt::format("{}trained {} steps ({} positions seen, {} available) in {:.1f} s{}",
                           o.what == medusa_train::recipe::medusa2 ? "heads only: " : "", r.fit.steps, r.fit.positions_seen,

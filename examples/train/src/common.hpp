@@ -8,11 +8,16 @@
 
 #include <medusa/error.hpp>
 
+#include <medusa_llama/thread_pool.hpp>
+
+#include <cblas.h>
+
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -133,5 +138,23 @@ struct training_meter {
     pr.eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
   }
 };
+
+//! Runs body(i, tid) for i < n on `pool`, one index per chunk (BLAS single-threaded meanwhile: the
+//! sequences are the parallelism). The first error a job throws is rethrown here.
+template <class F>
+inline void per_sequence(medusa_llama::thread_pool& pool, std::size_t n, F&& body) {
+  if (n == 0) return;
+  openblas_set_num_threads(1);
+  std::exception_ptr error;
+  std::atomic_flag failed;
+  pool.run(static_cast<int>(n), [&](int c, int tid) {
+    try {
+      body(static_cast<std::size_t>(c), static_cast<std::size_t>(tid));
+    } catch (...) {
+      if (!failed.test_and_set()) error = std::current_exception();
+    }
+  });
+  if (error) std::rethrow_exception(error);
+}
 
 }  // namespace medusa_train::detail

@@ -23,30 +23,13 @@ namespace {
 
 using detail::clock_type;
 using detail::mix;
+using detail::per_sequence;
 using detail::seconds_since;
 
 // Uniform index below n from a splitmix stream.
 std::size_t below(std::uint64_t& s, std::size_t n) {
   s = mix(s);
   return static_cast<std::size_t>(detail::below(s, n));
-}
-
-// Runs body(i, tid) for i < n on `pool`, one index per chunk (BLAS single-threaded meanwhile: the
-// sequences are the parallelism). The pool's jobs must not throw: the first error is rethrown here.
-template <class F>
-void per_sequence(medusa_llama::thread_pool& pool, std::size_t n, F&& body) {
-  if (n == 0) return;
-  openblas_set_num_threads(1);
-  std::exception_ptr error;
-  std::atomic_flag failed;
-  pool.run(static_cast<int>(n), [&](int c, int tid) {
-    try {
-      body(static_cast<std::size_t>(c), static_cast<std::size_t>(tid));
-    } catch (...) {
-      if (!failed.test_and_set()) error = std::current_exception();
-    }
-  });
-  if (error) std::rethrow_exception(error);
 }
 
 // First row of each sequence's teacher rows (one per position but the last), and the total last.

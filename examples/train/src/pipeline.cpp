@@ -204,6 +204,131 @@ medusa_llama::engine_options generation_engine(int threads, int draft) {
   return eo;
 }
 
+// The original model's top-k logits over `seqs`: read from the cache directory when a run with
+// the same data made them, else computed and saved there.
+teacher_table teacher_for(const medusa_llama::model& m, std::span<const backbone_sequence> seqs, const run_report& rep,
+                          const std::filesystem::path& cache_dir, std::size_t k, int threads, const std::function<void(const std::string&)>& log) {
+  const bool partial = rep.cache_file.string().find(".partial") != std::string::npos;
+  const auto file = cache_dir / ("teacher-" + rep.key.hex() + (partial ? ".partial" : "") + "-k" + std::to_string(k) + ".bin");
+  if (auto t = teacher_table::load(file, seqs, k)) {
+    log("teacher: " + file.string());
+    return std::move(*t);
+  }
+  const auto t0 = clock_type::now();
+  // The adapters stay off: this is the original model.
+  const lora_model original(m, {.rank = 1, .alpha = 1, .dropout = 0}, 0);
+  auto t = teacher_table::compute(original, seqs, k, threads);
+  t.save(file);
+  log("teacher: top-" + std::to_string(k) + " logits of the original model for " + std::to_string(seqs.size()) + " sequences in " +
+      fmt("%.1f s", seconds_since(t0)) + " -> " + file.string());
+  return t;
+}
+
+// Held-out prompts, one per line with \n, \t, \\ escapes (medusa-run --prompts-file, bench/speedup.py).
+void write_heldout_prompts(const std::filesystem::path& work, const prompt_set& prompts, const medusa_llama::tokenizer& tok, const run_options& o) {
+  if (!prompts.has(split::eval)) return;
+  std::string text;
+  for (std::uint64_t i = 0; i < 48; ++i) {
+    const auto p = prompts.prompt(split::eval, i + 2000003, o.seed, tok, o.prompt_min, o.prompt_max);
+    const std::string s = tok.decode(std::span<const int>(p));
+    std::string line;
+    for (char c : s) {
+      if (c == '\\') line += "\\\\";
+      else if (c == '\n') line += "\\n";
+      else if (c == '\t') line += "\\t";
+      else if (c != '\r') line += c;
+    }
+    if (line.find_first_not_of(' ') != std::string::npos) text += line + "\n";
+  }
+  write_text(work / "heldout-prompts.txt", text);
+}
+
+// The draft model's shape: the options' width and depth, the target's vocabulary and conventions.
+medusa_llama::model_config draft_config(const run_options& o, const medusa_llama::model_config& target) {
+  medusa_llama::model_config c = target;
+  c.dim = o.draft_dim;
+  c.hidden_dim = o.draft_hidden > 0 ? o.draft_hidden : 3 * o.draft_dim;
+  c.n_layers = o.draft_layers;
+  c.n_heads = o.draft_heads;
+  c.n_kv_heads = o.draft_heads;
+  c.shared_classifier = true;
+  return c;
+}
+
+// --recipe draft: distil the draft, score it on the held-out continuations, write it as
+// OUT/draft/model.bin (llama2.c; a Hugging Face directory OUT/draft for a target with RoPE on halves),
+// with the target's tokenizer beside it, and OUT/calibration.json.
+void train_draft(const run_options& o, const medusa_llama::model& m, const distill_cache& data, const prompt_set& prompts,
+                 const medusa_llama::tokenizer& tok, const std::filesystem::path& tok_path, const std::filesystem::path& cache_dir,
+                 const std::filesystem::path& work, int threads, std::optional<clock_type::time_point> deadline, run_report& rep,
+                 const run_events& ev, const std::function<void(const std::string&)>& log) {
+  const auto seqs = cache_sequences(data, prompts, tok, o.seed, o.prompt_min, o.prompt_max);
+  const auto teacher = teacher_for(m, seqs, rep, cache_dir, o.teacher_topk, threads, log);
+  const auto cfg = draft_config(o, m.config());
+  dense_model draft(cfg, o.seed ^ 0xd7a2full);
+  draft_fit_options fo;
+  fo.lr = o.draft_lr;
+  fo.epochs = o.draft_epochs;
+  fo.batch_sequences = o.batch_sequences;
+  fo.opt = o.opt;
+  fo.seed = o.seed;
+  fo.threads = threads;
+  fo.deadline = deadline;
+  fo.reserve_seconds = 5.0;
+  fo.on_progress = ev.on_draft;
+  fo.progress_interval = ev.progress_interval;
+  log("draft model: " + std::to_string(cfg.n_layers) + " layers, d=" + std::to_string(cfg.dim) + ", hidden " + std::to_string(cfg.hidden_dim) +
+      ", " + std::to_string(cfg.n_heads) + " heads (" + std::to_string(draft.params().size()) + " parameters), lr " + fmt("%g", o.draft_lr));
+  rep.draft_fit = fit_draft(draft, seqs, teacher, fo);
+  log("draft: " + std::to_string(rep.draft_fit.steps) + " steps in " + fmt("%.1f s", rep.draft_fit.seconds) + fmt(", KL %.4f", rep.draft_fit.final_kl) +
+      fmt(", agreement %.1f%%", 100 * rep.draft_fit.final_agreement) + (rep.draft_fit.budget_limited ? " (shortened by the budget)" : ""));
+  const auto t_eval = clock_type::now();
+  rep.draft_eval = measure_draft(draft, seqs, threads);
+  rep.eval_seconds = seconds_since(t_eval);
+  const auto& q = rep.draft_eval;
+  std::string chain;
+  for (std::size_t k = 0; k < q.chain_tokens.size(); ++k) chain += fmt(k ? " / %.2f" : "%.2f", q.chain_tokens[k]);
+  log("draft, held out: agreement " + fmt("%.1f%%", 100 * q.agreement) + " on " + std::to_string(q.positions) +
+      " positions; tokens per step of greedy chains of 1…" + std::to_string(q.chain_tokens.size()) + ": " + chain);
+  std::error_code ec;
+  const auto dir = work / "draft";
+  std::filesystem::create_directories(dir, ec);
+  if (cfg.rope == medusa_llama::rope_style::adjacent_pairs) {
+    draft.to_model().save_llama2c(dir / "model.bin");
+    rep.draft_file = o.out / "draft" / "model.bin";
+  } else {  // llama2.c files hold adjacent-pair RoPE only
+    draft.to_model().save_hf(dir);
+    rep.draft_file = o.out / "draft";
+  }
+  copy_beside(tok_path.parent_path(), dir, {"tokenizer.bin", "tokenizer.model", "tokenizer.json", "tokenizer_config.json"});
+
+  auto list = [](const std::vector<double>& v) {
+    std::string t;
+    for (std::size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + fmt("%.4f", v[i]);
+    return "[" + t + "]";
+  };
+  std::string j = "{\n";
+  j += "  \"recipe\": \"draft\",\n";
+  j += "  \"model\": " + json_str(o.model.string()) + ",\n";
+  j += "  \"draft_model\": " + json_str(rep.draft_file.string()) + ",\n";
+  j += "  \"draft\": {\"n_layers\": " + std::to_string(cfg.n_layers) + ", \"dim\": " + std::to_string(cfg.dim) + ", \"hidden_dim\": " +
+       std::to_string(cfg.hidden_dim) + ", \"n_heads\": " + std::to_string(cfg.n_heads) + ", \"parameters\": " + std::to_string(draft.params().size()) +
+       "},\n";
+  j += "  \"split\": \"eval\",\n";
+  j += "  \"positions\": " + std::to_string(q.positions) + ",\n";
+  j += "  \"agreement\": " + fmt("%.5f", q.agreement) + ",\n";
+  j += "  \"acceptance_by_depth\": " + list(q.acceptance) + ",\n";
+  j += "  \"chain_tokens_per_step\": " + list(q.chain_tokens) + ",\n";
+  j += "  \"steps\": " + std::to_string(rep.draft_fit.steps) + ",\n";
+  j += "  \"epochs\": " + fmt("%g", o.draft_epochs) + ",\n";
+  j += "  \"lr\": " + fmt("%g", o.draft_lr) + ",\n";
+  j += "  \"final_kl\": " + fmt("%.5f", rep.draft_fit.final_kl) + ",\n";
+  j += "  \"seed\": " + std::to_string(o.seed) + ",\n";
+  j += "  \"cache_key\": \"" + rep.key.hex() + "\",\n";
+  j += "  \"train_seconds\": " + fmt("%.1f", rep.draft_fit.seconds) + "\n}\n";
+  write_text(work / "calibration.json", j);
+}
+
 }  // namespace
 
 std::filesystem::path resolve_tokenizer(const run_options& o) {
@@ -262,6 +387,19 @@ run_report run_training(const run_options& o, const run_events& ev) {
                                   " (the backbone moves slower than the heads)");
     if (o.joint_epochs <= 0 || o.batch_sequences == 0 || o.teacher_topk == 0)
       throw medusa::invalid_input("train: --joint-epochs, --batch-sequences and --teacher-topk must be positive");
+  }
+  if (o.what == recipe::draft) {
+    if (o.draft_layers < 1 || o.draft_dim < 8 || o.draft_heads < 1 || o.draft_hidden < 0 || o.draft_dim % o.draft_heads != 0 ||
+        (o.draft_dim / o.draft_heads) % 2 != 0)
+      throw medusa::invalid_input("train: the draft needs --draft-layers >= 1 and --draft-dim >= 8 divisible by --draft-heads into heads of an even "
+                                  "width (got " + std::to_string(o.draft_layers) + " layers, width " + std::to_string(o.draft_dim) + ", " +
+                                  std::to_string(o.draft_heads) + " heads)");
+    if (!(o.draft_lr > 0) || !(o.draft_epochs > 0) || o.batch_sequences == 0 || o.teacher_topk == 0)
+      throw medusa::invalid_input("train: --draft-lr, --draft-epochs, --batch-sequences and --teacher-topk must be positive");
+    if (!o.init_heads.empty()) throw medusa::invalid_input("train: --recipe draft trains no heads; --init-heads does not apply");
+    if (!cfg.shared_classifier)
+      throw medusa::invalid_input("train: --recipe draft ties the draft's classifier to its embedding; the target has a separate classifier, "
+                                  "which is not supported yet");
   }
   std::optional<medusa::head_weights> init_heads;
   if (!o.init_heads.empty()) {
@@ -377,6 +515,15 @@ run_report run_training(const run_options& o, const run_events& ev) {
   for (std::size_t r = 0; r < data.size(); ++r)
     if (data[r].which == split::eval) eval_rows += data[r].tokens.size();
 
+  // ---- a draft model instead of heads ----------------------------------------------------------
+  if (o.what == recipe::draft) {
+    train_draft(o, m, data, prompts, *tok, tok_path, cache_dir, work, threads, deadline, rep, ev, log);
+    write_heldout_prompts(work, prompts, *tok, o);
+    rep.total_seconds = seconds_since(t_start);
+    outdir.commit(cache_dir);
+    return rep;
+  }
+
   // ---- training -------------------------------------------------------------------------------
   const head_shape shape{static_cast<std::size_t>(cfg.dim), static_cast<std::size_t>(cfg.vocab_size), o.heads, o.layers};
   auto trainer_ptr = init_heads ? std::make_unique<head_trainer>(*init_heads, threads)
@@ -416,18 +563,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
   if (m2) {
     seqs = cache_sequences(data, prompts, *tok, o.seed, o.prompt_min, o.prompt_max);
     lora_model lm(m, o.lora, o.seed ^ 0x10a0a0ull);
-    const auto teacher_file = cache_dir / ("teacher-" + rep.key.hex() + (rep.cache_file.string().find(".partial") != std::string::npos ? ".partial" : "") +
-                                           "-k" + std::to_string(o.teacher_topk) + ".bin");
-    auto teacher = teacher_table::load(teacher_file, seqs, o.teacher_topk);
-    if (teacher) {
-      log("teacher: " + teacher_file.string());
-    } else {
-      const auto t_teacher = clock_type::now();
-      teacher = teacher_table::compute(lm, seqs, o.teacher_topk, threads);
-      teacher->save(teacher_file);
-      log("teacher: top-" + std::to_string(o.teacher_topk) + " logits of the original model for " + std::to_string(seqs.size()) +
-          " sequences in " + fmt("%.1f s", seconds_since(t_teacher)) + " -> " + teacher_file.string());
-    }
+    const auto teacher = teacher_for(m, seqs, rep, cache_dir, o.teacher_topk, threads, log);
     joint_options jo;
     jo.heads_lr = o.heads_lr;
     jo.backbone_lr = o.backbone_lr;
@@ -446,7 +582,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
     log("stage 2 (joint): LoRA rank " + std::to_string(o.lora.rank) + fmt(", alpha %g", o.lora.alpha) + fmt(", dropout %g", o.lora.dropout) +
         " on q,k,v,o,gate,up,down (" + std::to_string(lm.params().size()) + " parameters), heads lr " + fmt("%g", o.heads_lr) +
         ", backbone lr " + fmt("%g", o.backbone_lr));
-    rep.joint = fit_joint(lm, trainer, seqs, *teacher, jo);
+    rep.joint = fit_joint(lm, trainer, seqs, teacher, jo);
     log("joint: " + std::to_string(rep.joint.steps) + " steps in " + fmt("%.1f s", rep.joint.seconds) + fmt(", KL %.4f", rep.joint.final_kl) +
         fmt(", head loss %.4f", rep.joint.final_head_loss) + (rep.joint.budget_limited ? " (shortened by the budget)" : ""));
     const auto texts = held_out_texts(prompts, *tok, o.perplexity_texts, cfg.seq_len);
@@ -679,23 +815,7 @@ run_report run_training(const run_options& o, const run_events& ev) {
     }
     write_text(work / ("tree-" + std::to_string(nodes) + ".json"), text + "]\n");
   }
-  // Held-out prompts, one per line with \n, \t, \\ escapes (medusa-run --prompts-file, bench/speedup.py).
-  if (prompts.has(split::eval)) {
-    std::string text;
-    for (std::uint64_t i = 0; i < 48; ++i) {
-      const auto p = prompts.prompt(split::eval, i + 2000003, o.seed, *tok, o.prompt_min, o.prompt_max);
-      const std::string s = tok->decode(std::span<const int>(p));
-      std::string line;
-      for (char c : s) {
-        if (c == '\\') line += "\\\\";
-        else if (c == '\n') line += "\\n";
-        else if (c == '\t') line += "\\t";
-        else if (c != '\r') line += c;
-      }
-      if (line.find_first_not_of(' ') != std::string::npos) text += line + "\n";
-    }
-    write_text(work / "heldout-prompts.txt", text);
-  }
+  write_heldout_prompts(work, prompts, *tok, o);
   outdir.commit(cache_dir);
   return rep;
 }

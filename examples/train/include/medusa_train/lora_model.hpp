@@ -109,6 +109,8 @@ class lora_model {
   [[nodiscard]] medusa_llama::model merged() const;
 
  private:
+  [[nodiscard]] std::vector<medusa_llama::layer_weights> layers() const;
+
   medusa_llama::model base_;
   lora_options opt_;
   std::vector<float> params_;

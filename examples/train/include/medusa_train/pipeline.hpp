@@ -16,6 +16,7 @@
 #pragma once
 
 #include <medusa_train/distill_cache.hpp>
+#include <medusa_train/draft_distill.hpp>
 #include <medusa_train/medusa2.hpp>
 #include <medusa_train/selfdistill.hpp>
 #include <medusa_train/trainer.hpp>
@@ -32,6 +33,7 @@ namespace medusa_train {
 enum class recipe {
   medusa1,  //!< heads on the frozen backbone
   medusa2,  //!< heads, then heads and a LoRA-adapted backbone jointly (docs/training.md)
+  draft,    //!< a small draft model distilled from the target (no heads; docs/training.md)
 };
 
 //! Everything `medusa-train` can be told.
@@ -76,6 +78,13 @@ struct run_options {
   std::size_t batch_sequences = 8;   //!< joint stage: sequences per step
   std::size_t teacher_topk = 32;     //!< logits of the original model kept per position
   int perplexity_texts = 40;         //!< held-out texts scored for perplexity
+  // Draft model (recipe::draft); it shares the target's vocabulary, context, norm and RoPE settings:
+  int draft_layers = 2;              //!< blocks
+  int draft_dim = 128;               //!< width
+  int draft_hidden = 0;              //!< SwiGLU width (0: 3 × width)
+  int draft_heads = 4;               //!< attention heads (key/value heads the same)
+  double draft_lr = 3e-3;            //!< peak learning rate
+  double draft_epochs = 4.0;         //!< passes over the training sequences
 };
 
 //! Acceptance of one tree measured with `medusa::decoder` (greedy) against plain decoding.
@@ -108,6 +117,10 @@ struct run_report {
   calibration cal_original_text;       //!< the heads on the original model's held-out continuations (`cal`: on the merged model's own)
   std::filesystem::path model_file;    //!< the merged model (OUT/model/…)
   std::filesystem::path adapter_dir;   //!< the PEFT adapter (OUT/adapter)
+  // Draft model:
+  draft_fit_result draft_fit;          //!< its training
+  draft_quality draft_eval;            //!< its held-out agreement and chain acceptance
+  std::filesystem::path draft_file;    //!< OUT/draft/model.bin (OUT/draft, a Hugging Face directory, for RoPE on halves)
   double eval_seconds = 0;             //!< evaluation time
   double total_seconds = 0;            //!< whole run
 };
@@ -118,6 +131,7 @@ struct run_events {
   std::function<void(const distill_progress&)> on_distill;     //!< generation progress
   std::function<void(const fit_progress&)> on_fit;             //!< training progress
   std::function<void(const joint_progress&)> on_joint;         //!< Medusa-2 joint-stage progress
+  std::function<void(const draft_progress&)> on_draft;         //!< draft-model training progress
   double progress_interval = 0.5;  //!< seconds between progress callbacks (0: after every sequence or step)
 };
 
