@@ -13,10 +13,14 @@ A Medusa-2 model (a fine-tuned backbone) is compared with the model it came from
 --plain-model ORIGINAL runs plain decoding of ORIGINAL right after each `--mode both` run and
 adds the speedup over it, and how many prompts the two models continue identically.
 --prompts-file takes the prompts from a file (one per line, \\n escapes; medusa-train writes
-held-out ones to OUT/heldout-prompts.txt).
+held-out ones to OUT/heldout-prompts.txt). --extra passes more medusa-run options to the Medusa
+side, for example a draft model:
+
+  bench/speedup.py ... --extra "--draft-model d2/draft/model.bin --draft-alone --draft-tokens 4"
 """
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -56,6 +60,7 @@ def main() -> int:
     ap.add_argument("--head-weights", default="", help="medusa-run --head-weights (default: its own)")
     ap.add_argument("--per-prompt", action="store_true", help="also print each prompt's medians")
     ap.add_argument("--prompts-file", default="", help="prompts, one per line (\\n, \\t, \\\\ escapes)")
+    ap.add_argument("--extra", default="", help="more medusa-run options (a draft model, a lookup, ...)")
     ap.add_argument("--plain-model", default="", help="also time plain decoding of this model (the original of a Medusa-2 model)")
     a = ap.parse_args()
     prompts = DEFAULT_PROMPTS
@@ -87,7 +92,7 @@ def main() -> int:
                         [f"{a.bin}/medusa-run", "--model", a.model, "--heads", a.heads, "--tree", tree,
                          "--weights", weights, "--threads", str(a.threads), "--prompt", prompt,
                          "--max-new-tokens", str(a.tokens), "--mode", "both", "--json",
-                         *(["--head-weights", a.head_weights] if a.head_weights else [])],
+                         *(["--head-weights", a.head_weights] if a.head_weights else []), *shlex.split(a.extra)],
                         capture_output=True, text=True)
                     if out.returncode != 0:
                         print(out.stderr, file=sys.stderr)

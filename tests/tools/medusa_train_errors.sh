@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# One bad-input case of medusa-train --recipe medusa2: the expected exit status (2 = invalid input,
+# One bad-input case of medusa-train (--recipe medusa2 or draft): the expected exit status (2 = invalid input,
 # 1 = I/O), the error as the last line of stderr (exactly one line when refused up front), and no
 # output directory afterwards. Usage: medusa_train_errors.sh TOOL SHARED_DIR SCRATCH_DIR CASE
 set -u
@@ -24,6 +24,10 @@ case $case in
                   "$tool" "${common[@]}" --recipe medusa1 --out "$dir/stories-heads" >/dev/null 2>&1 || { echo "FAIL: could not train heads"; exit 1; }
                   args=(--model "$pycode" --corpus "$dir" --recipe medusa2 --init-heads "$dir/stories-heads" --out "$dir/out" --no-progress) ;;
   gguf)           want=2; pat='convert the GGUF model'; args=(--model "$stories/stories260K.gguf" --prompts "$dir/prompts.txt" --recipe medusa2 --out "$dir/out" --no-progress) ;;
+  draft_shape)    want=2; pat='divisible by --draft-heads into heads of an even width \(got 2 layers, width 100, 3 heads\)'
+                  args=("${common[@]}" --out "$dir/out" --recipe draft --draft-dim 100 --draft-heads 3) ;;
+  draft_init_heads) want=2; pat='--recipe draft trains no heads'
+                  args=("${common[@]}" --out "$dir/out" --recipe draft --init-heads "$dir") ;;
   full_disk)      want=1; pat='disk full|cannot write|write failed'; one_line=0
                   ulimit -f 96  # KiB per file: the data fits, the teacher table and the outputs do not
                   args=("${small[@]}") ;;

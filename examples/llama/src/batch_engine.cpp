@@ -40,7 +40,7 @@ struct batch_engine::impl {
   std::vector<char> seen;
 
   impl(model m, const batch_engine_options& o)
-      : stack(std::move(m), {.max_rows = o.max_tokens, .threads = o.threads, .weights = o.weights,
+      : stack(std::move(m), {.max_rows = o.max_tokens, .threads = o.threads, .pool = o.pool, .weights = o.weights,
                               .classifier_weights = o.classifier_weights}),
         opt(o),
         pages(o.num_pages, o.page_size, o.max_requests, o.max_context) {

@@ -25,7 +25,7 @@ struct engine::impl {
   std::vector<int> out_rows;            // output rows of the current chunk
 
   impl(model m, const engine_options& o)
-      : stack(std::move(m), {.max_rows = o.max_batch, .threads = o.threads, .backend = o.backend,
+      : stack(std::move(m), {.max_rows = o.max_batch, .threads = o.threads, .pool = o.pool, .backend = o.backend,
                              .blas_min_batch = o.blas_min_batch, .weights = o.weights,
                              .classifier_weights = o.classifier_weights}),
         opt(o) {

@@ -95,9 +95,10 @@ void check_tree_mask(const medusa::tree_mask_view& m, int n) {
   }
 }
 
-layer_stack::layer_stack(model mm, const stack_options& o) : m_(std::move(mm)), c_(m_.config()), opt_(o), pool_(o.threads) {
+layer_stack::layer_stack(model mm, const stack_options& o) : m_(std::move(mm)), c_(m_.config()), opt_(o),
+      own_pool_(o.pool ? nullptr : std::make_unique<thread_pool>(o.threads)), pool_(o.pool ? o.pool : own_pool_.get()) {
   apply_cpu_target_environment();
-  opt_.threads = pool_.size();
+  opt_.threads = pool_->size();
 #if defined(MEDUSA_LLAMA_HAVE_OPENBLAS)
   // The stack splits each GEMM across its own threads; OpenBLAS threads would fight them.
   openblas_set_num_threads(1);
@@ -187,7 +188,7 @@ void layer_stack::linear(std::initializer_list<pjob> jobs, const float* X, int T
   assert(jobs.size() <= std::size(packed));
   std::size_t n = 0;
   for (const auto& j : jobs) packed[n++] = {j.W, gi, j.Y, sz(j.ldy), j.op};
-  run_gemm_jobs(pool_, std::span(packed, n));
+  run_gemm_jobs(*pool_, std::span(packed, n));
 }
 
 // The OpenBLAS path (gemm_backend::blas / automatic above blas_min_batch), on the model's own
@@ -200,8 +201,8 @@ void layer_stack::linear_blas(std::initializer_list<pjob> jobs, const float* X, 
     }
   int total = 0;
   for (const auto& j : jobs) total += j.W->rows();
-  const row_chunks rc(total, pool_.size());
-  pool_.run(rc.n, [&](int chunk, int) {
+  const row_chunks rc(total, pool_->size());
+  pool_->run(rc.n, [&](int chunk, int) {
     int a, b;
     rc.range(chunk, a, b);
     int base = 0;
@@ -219,8 +220,8 @@ void layer_stack::linear_blas(std::initializer_list<pjob> jobs, const float* X, 
 void layer_stack::swiglu_blas(const float* X, int T) {
   const layer_weights& w = m_.layer(cur_layer_);
   const int H = c_.hidden_dim, d = c_.dim;
-  const row_chunks rc(H, pool_.size());
-  pool_.run(rc.n, [&](int chunk, int) {
+  const row_chunks rc(H, pool_->size());
+  pool_->run(rc.n, [&](int chunk, int) {
     int a, b;
     rc.range(chunk, a, b);
     for (const float* W : {w.w1, w.w3}) {
@@ -292,7 +293,7 @@ void layer_stack::run(std::span<const std::int32_t> tokens, std::span<const std:
   const int T = static_cast<int>(tokens.size());
   const int d = c_.dim, kvd = c_.kv_dim();
   auto on_pool = [this](std::size_t count, auto&& body) {
-    pool_.run(static_cast<int>(count), [&body](int i, int) { body(static_cast<std::size_t>(i)); });
+    pool_->run(static_cast<int>(count), [&body](int i, int) { body(static_cast<std::size_t>(i)); });
   };
   // One request's K/V writes and attention, its work spread by `pf`.
   auto attend = [&](const segment<View>& s, int l, auto&& pf) {
@@ -324,7 +325,7 @@ void layer_stack::run(std::span<const std::int32_t> tokens, std::span<const std:
       // (the callers validate first, so none is expected).
       std::exception_ptr error;
       std::atomic_flag failed;
-      pool_.run(static_cast<int>(segments.size()), [&](int i, int) {
+      pool_->run(static_cast<int>(segments.size()), [&](int i, int) {
         try {
           attend(segments[sz(i)], l, medusa::sequential_for{});
         } catch (...) {

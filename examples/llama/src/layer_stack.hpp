@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -42,6 +43,7 @@ struct segment {
 struct stack_options {
   int max_rows = 64;  //!< rows of one pass (sizes the activation buffers)
   int threads = 0;    //!< 0 = all hardware threads
+  thread_pool* pool = nullptr;  //!< run on this pool instead of starting threads (`threads` ignored)
   gemm_backend backend = gemm_backend::automatic;
   int blas_min_batch = 1 << 20;
   weight_format weights = weight_format::f32;
@@ -78,7 +80,7 @@ class layer_stack {
 
   [[nodiscard]] const model& weights() const noexcept { return m_; }
   [[nodiscard]] const model_config& config() const noexcept { return c_; }
-  [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
+  [[nodiscard]] thread_pool& pool() noexcept { return *pool_; }
   [[nodiscard]] int max_rows() const noexcept { return opt_.max_rows; }
   //! Bytes of packed projection weights (block matrices and classifier) one pass streams.
   [[nodiscard]] std::size_t packed_bytes() const noexcept;
@@ -118,7 +120,8 @@ class layer_stack {
   model m_;
   model_config c_;
   stack_options opt_;
-  thread_pool pool_;
+  std::unique_ptr<thread_pool> own_pool_;  // null when running on another's pool
+  thread_pool* pool_;
   std::vector<packed_layer> packed_;
   packed_matrix cls_;
   std::vector<float> rope_cos_, rope_sin_;  // [seq_len][head_dim / 2]

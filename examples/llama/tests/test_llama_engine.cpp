@@ -250,6 +250,25 @@ TEST_CASE("batched forward equals sequential single-token forwards") {
       }
 }
 
+TEST_CASE("an engine on another engine's pool computes what it computes on its own threads") {
+  // A draft model runs on the target's threads (engine_options::pool): the same bits, one pool.
+  engine target(tiny_model(), {.max_batch = 32, .threads = 2});
+  engine own(tiny_model(false), {.max_batch = 32, .threads = 2});
+  engine shared(tiny_model(false), {.max_batch = 32, .threads = 7, .pool = &target.pool()});
+  CHECK(shared.threads() == 2);  // the pool's size; `threads` is ignored
+  CHECK(&shared.pool() == &target.pool());
+  const auto V = static_cast<std::size_t>(own.config().vocab_size);
+  const auto tokens = random_tokens(23, 97, 4);
+  const auto pos = iota_from(0, tokens.size());
+  std::vector<float> a(tokens.size() * V), b(tokens.size() * V), t(tokens.size() * V);
+  own.forward(batch_at(tokens, pos, 0, a));
+  shared.forward(batch_at(tokens, pos, 0, b));
+  target.forward(batch_at(tokens, pos, 0, t));  // the pool's owner, in turn
+  CHECK(max_abs_diff(a, b) == 0.0);
+  shared.forward(batch_at(tokens, pos, 0, b));
+  CHECK(max_abs_diff(a, b) == 0.0);
+}
+
 TEST_CASE("tree-mask forward equals each root-to-node path run causally") {
   // parent[i] < i; depth from the parents. Node 0 is the root.
   const std::vector<int> parent = {-1, 0, 0, 1, 1, 2, 3, 0, 6, 5};

@@ -65,16 +65,20 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   set_weight_formats(eo, a, lm.weights);
   // The draft model (--draft-model, --self-draft-layers): a serving engine of its own with the
   // same request ids, a cache per request; passes as large as a prompt, which it runs in its
-  // first call.
-  std::optional<medusa_llama::batch_engine> draft_engine;
-  if (a.mode != run_mode::vanilla && a.drafted()) {
-    medusa_llama::batch_engine_options deo = eo;
-    deo.max_tokens = std::max(eo.max_tokens, lm.weights.config().seq_len);
-    auto weights = load_draft(a, lm);
-    set_weight_formats(deo, a, *weights);
-    draft_engine.emplace(std::move(*weights), deo);
-  }
+  // first call. It runs on the target's threads: a pool of its own would spin on the cores the
+  // target's next pass needs.
+  std::optional<medusa_llama::model> draft_weights;
+  if (a.mode != run_mode::vanilla && a.drafted()) draft_weights = load_draft(a, lm);
+  const int seq_len = lm.weights.config().seq_len;
   medusa_llama::batch_engine eng(std::move(lm.weights), eo);
+  std::optional<medusa_llama::batch_engine> draft_engine;
+  if (draft_weights) {
+    medusa_llama::batch_engine_options deo = eo;
+    deo.max_tokens = std::max(eo.max_tokens, seq_len);
+    deo.pool = &eng.pool();
+    set_weight_formats(deo, a, *draft_weights);
+    draft_engine.emplace(std::move(*draft_weights), deo);
+  }
   tree_choice choice;
   std::size_t prompt_sum = 0;
   for (const auto& p : prompts) prompt_sum += p.size();

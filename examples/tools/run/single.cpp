@@ -25,16 +25,20 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   eo.backend = medusa_llama::gemm_backend::builtin;
   set_weight_formats(eo, a, lm.weights);
   // The draft model (--draft-model, --self-draft-layers): its own engine and cache; passes as
-  // large as a prompt, which it runs in its first call.
-  std::optional<medusa_llama::engine> draft_engine;
-  if (drafted) {
-    medusa_llama::engine_options deo = eo;
-    deo.max_batch = std::max(eo.max_batch, lm.weights.config().seq_len);
-    auto weights = load_draft(a, lm);
-    set_weight_formats(deo, a, *weights);
-    draft_engine.emplace(std::move(*weights), deo);
-  }
+  // large as a prompt, which it runs in its first call. It runs on the target's threads: a pool
+  // of its own would spin on the cores the target's next pass needs.
+  std::optional<medusa_llama::model> draft_weights;
+  if (drafted) draft_weights = load_draft(a, lm);
+  const int seq_len = lm.weights.config().seq_len;
   medusa_llama::engine model(std::move(lm.weights), eo);
+  std::optional<medusa_llama::engine> draft_engine;
+  if (draft_weights) {
+    medusa_llama::engine_options deo = eo;
+    deo.max_batch = std::max(eo.max_batch, seq_len);
+    deo.pool = &model.pool();
+    set_weight_formats(deo, a, *draft_weights);
+    draft_engine.emplace(std::move(*draft_weights), deo);
+  }
   tree_choice choice;
   if (auto_tree) {
     choice = choose_auto_tree(a, ain, model, head_w, 1, eo.max_batch, static_cast<int>(prompt.size()) + a.max_new_tokens / 2);

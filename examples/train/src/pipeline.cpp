@@ -301,6 +301,10 @@ void train_draft(const run_options& o, const medusa_llama::model& m, const disti
     rep.draft_file = o.out / "draft";
   }
   copy_beside(tok_path.parent_path(), dir, {"tokenizer.bin", "tokenizer.model", "tokenizer.json", "tokenizer_config.json"});
+  if (!medusa_llama::is_gguf(tok_path)) {  // a tokenizer of another name (tok512.bin), under its own name
+    std::filesystem::copy_file(tok_path, dir / tok_path.filename(), std::filesystem::copy_options::overwrite_existing, ec);
+    if (ec) throw medusa::io_error("cannot copy " + tok_path.string() + " to " + dir.string() + ": " + ec.message());
+  }
 
   auto list = [](const std::vector<double>& v) {
     std::string t;

@@ -53,6 +53,7 @@ struct batch_engine_options {
   int max_context = 0;   //!< most slots of one request; 0 = the model's seq_len
   int max_tokens = 256;  //!< most tokens in one pass (sizes the activation buffers); more run in several passes
   int threads = 0;       //!< threads including the caller; 0 = all hardware threads
+  thread_pool* pool = nullptr;  //!< run on this pool instead of starting threads (see `engine_options::pool`)
   weight_format weights = weight_format::f32;  //!< precision of the packed projections (see `engine_options`)
   std::optional<weight_format> classifier_weights = {};  //!< the classifier's (see `engine_options`)
 };

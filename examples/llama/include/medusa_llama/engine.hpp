@@ -87,6 +87,10 @@ struct engine_options {
   int capacity = 0;        //!< KV slots per layer; 0 = the model's seq_len
   int max_batch = 64;      //!< most tokens in one pass (sizes the activation buffers); longer causal batches run in chunks
   int threads = 0;         //!< threads including the caller; 0 = all hardware threads
+  //! Run on this pool (another engine's `pool()`, e.g. the target's for a draft model) instead of
+  //! starting threads: `threads` is then ignored, and the pool must outlive the engine. Two
+  //! engines used in turn on one pool leave no idle workers spinning on the cores the other needs.
+  thread_pool* pool = nullptr;
   gemm_backend backend = gemm_backend::automatic;  //!< projection kernels
   //! With `automatic`, batches of at least this many tokens use OpenBLAS (the built-in packed
   //! kernel is faster at every batch size measured, so by default never).
