@@ -41,6 +41,20 @@ case $case in
   cuda_weights)      want=2; pat='--precision';           args=(--model "$pycode" --mode vanilla --device cuda --weights bf16) ;;
   cuda_precision)    want=2; pat='--precision';           args=(--model "$pycode" --mode vanilla --device cuda --precision f8) ;;
   draft_vocab)       want=1; pat='draft model.*tokenizer has 2048 tokens, the model 512'; args=(--model "$pycode" --heads random:4 --draft-model "$shared/models/stories260K/stories260K.bin" --prompt x) ;;
+  draft_pieces)      want=1; pat="draft model.s vocabulary is not the target.s .*token 300 is"
+                     # The target's own weights beside a tokenizer.bin with one piece changed.
+                     mkdir -p "$scratch/other-vocab"
+                     ln -sf "$pycode" "$scratch/other-vocab/model.bin"
+                     python3 - "$shared/models/pycode-15m/tokenizer.bin" "$scratch/other-vocab/tokenizer.bin" <<'PY'
+import struct, sys
+data = bytearray(open(sys.argv[1], "rb").read())
+at = 4
+for token in range(300):
+    at += 8 + struct.unpack_from("<i", data, at + 4)[0]
+data[at + 8] = ord("Q") if data[at + 8] != ord("Q") else ord("R")  # token 300's first byte
+open(sys.argv[2], "wb").write(data)
+PY
+                     args=(--model "$pycode" --heads random:4 --draft-model "$scratch/other-vocab/model.bin" --prompt x) ;;
   draft_layers)      want=2; pat='below the model.s 8 layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 8 --prompt x) ;;
   draft_both)        want=2; pat='give one of --draft-model and --self-draft-layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-model "$pycode") ;;
   draft_tokens)      want=2; pat='--draft-tokens must be in'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-tokens 0) ;;

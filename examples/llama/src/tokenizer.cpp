@@ -9,6 +9,7 @@
 
 #include <cctype>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -399,6 +400,37 @@ std::unique_ptr<tokenizer> load_tokenizer(const std::filesystem::path& path, boo
   if (path.extension() == ".json") return std::make_unique<hf_tokenizer>(path);
   if (is_gguf(path)) return load_gguf_tokenizer(path, add_dummy_prefix);
   return std::make_unique<llama2c_tokenizer>(path, 0, add_dummy_prefix);
+}
+
+std::string vocabulary_difference(const tokenizer& first, const tokenizer& second, std::string_view first_name,
+                                  std::string_view second_name) {
+  const std::string in_first = " in " + std::string(first_name), in_second = " in " + std::string(second_name);
+  if (first.vocab_size() != second.vocab_size())
+    return std::string(first_name) + " has " + std::to_string(first.vocab_size()) + " tokens, " + std::string(second_name) + " " +
+           std::to_string(second.vocab_size());
+  if (first.bos_id() != second.bos_id() || first.eos_id() != second.eos_id())
+    return "BOS/EOS are " + std::to_string(first.bos_id()) + "/" + std::to_string(first.eos_id()) + in_first + " and " +
+           std::to_string(second.bos_id()) + "/" + std::to_string(second.eos_id()) + in_second;
+  auto quoted = [](const std::string& piece) {
+    std::string q = "\"";
+    for (unsigned char c : piece) {
+      if (c >= 0x20 && c < 0x7f && c != '"' && c != '\\') {
+        q += static_cast<char>(c);
+      } else {
+        char b[8];
+        std::snprintf(b, sizeof b, "\\x%02x", c);
+        q += b;
+      }
+    }
+    return q + "\"";
+  };
+  // After an ordinary token, so that no BOS rule (run.c drops a leading space after BOS) applies.
+  const int prev = first.bos_id() == 0 ? 1 : 0;
+  for (int t = 0; t < first.vocab_size(); ++t) {
+    const std::string a = first.decode_piece(prev, t), b = second.decode_piece(prev, t);
+    if (a != b) return "token " + std::to_string(t) + " is " + quoted(a) + in_first + " and " + quoted(b) + in_second;
+  }
+  return {};
 }
 
 }  // namespace medusa_llama

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -147,6 +148,34 @@ TEST_CASE("llama2c tokenizer: malformed files throw load_error") {
   expect(hdr + rec(0, "toolong"), load_errc::bad_tokenizer, 1);
   expect(std::string("\0\0\0\0", 4), load_errc::bad_tokenizer, 0);
   CHECK_THROWS_AS(llama2c_tokenizer(dir / "missing.bin", 4), load_error);
+}
+
+TEST_CASE("vocabulary_difference names the first token two vocabularies disagree on") {
+  const auto dir = tmp_dir / "llama_vocab";
+  fs::create_directories(dir);
+  auto rec = [](float score, const std::string& text) {
+    std::string r(8, '\0');
+    const auto len = static_cast<std::int32_t>(text.size());
+    std::memcpy(r.data(), &score, 4);
+    std::memcpy(r.data() + 4, &len, 4);
+    return r + text;
+  };
+  const std::string hdr("\x06\0\0\0", 4), base = hdr + rec(0, "<unk>") + rec(0, "<s>") + rec(0, "</s>") + rec(-1, "ab");
+  write_bytes(dir / "a.bin", base + rec(-2, "cd"));
+  write_bytes(dir / "same.bin", base + rec(-3, "cd"));  // scores differ, pieces do not
+  write_bytes(dir / "other.bin", base + rec(-2, "c\n"));
+  write_bytes(dir / "short.bin", base);
+  const llama2c_tokenizer a(dir / "a.bin", 5), same(dir / "same.bin", 5), other(dir / "other.bin", 5), short_one(dir / "short.bin", 4);
+  CHECK(vocabulary_difference(a, same).empty());
+  CHECK(vocabulary_difference(a, other, "the draft", "the target") == "token 4 is \"cd\" in the draft and \"c\\x0a\" in the target");
+  CHECK(vocabulary_difference(a, short_one, "the draft", "the target") == "the draft has 5 tokens, the target 4");
+  // A real vocabulary against itself, read through two formats.
+  const auto stories = shared_dir / "models/stories260K";
+  if (!have(stories / "tok512.bin")) return;
+  const auto t = load_tokenizer(stories / "tok512.bin");
+  CHECK(vocabulary_difference(*t, *load_tokenizer(stories / "tok512.bin", false)).empty());
+  if (have(stories / "stories260K.gguf"))  // the GGUF's own vocabulary, converted by llama.cpp's tools
+    CHECK(vocabulary_difference(*t, *load_tokenizer(stories / "stories260K.gguf"), "the .bin", "the GGUF") == "");
 }
 
 TEST_CASE("hf tokenizer: tinystories-656K round trips and the Llama normalizer") {

@@ -96,12 +96,32 @@ std::optional<medusa_llama::model> load_draft(const run_args& a, const medusa_ll
     return lm.weights.first_layers(a.self_draft_layers);
   }
   if (a.draft_model.empty()) return std::nullopt;
+  std::optional<medusa_llama::model> weights;
   try {
-    return medusa_llama::load(a.draft_model, lm.tokenizer_path).weights;
+    weights = medusa_llama::load(a.draft_model, lm.tokenizer_path).weights;
   } catch (const medusa_llama::load_error& e) {
     throw medusa_llama::load_error(e.code(), std::string("the draft model, read with the target's tokenizer: ") + e.what(),
                                    a.draft_model);
   }
+  // Where the draft comes with a tokenizer of its own (a GGUF file's, a Hugging Face directory's,
+  // a tokenizer.bin beside it), its pieces must be the target's, not only their number.
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path draft(a.draft_model);
+  fs::path own;
+  if (fs::is_directory(draft, ec)) own = draft / "tokenizer.json";
+  else if (medusa_llama::is_gguf(draft)) own = draft;
+  else own = draft.parent_path() / "tokenizer.bin";
+  if (fs::is_regular_file(own, ec) && fs::weakly_canonical(own, ec) != fs::weakly_canonical(lm.tokenizer_path, ec)) {
+    const auto tok = medusa_llama::load_tokenizer(own, medusa_llama::default_dummy_prefix(own));
+    const std::string diff = medusa_llama::vocabulary_difference(*tok, *lm.tok, "the draft's tokenizer", "the target's");
+    if (!diff.empty())
+      throw medusa_llama::load_error(medusa_llama::load_errc::bad_tokenizer,
+                                     "the draft model's vocabulary is not the target's (" + own.string() + " against " +
+                                         lm.tokenizer_path.string() + "): " + diff,
+                                     a.draft_model);
+  }
+  return weights;
 }
 
 nlohmann::json describe_drafts(const run_args& a) {

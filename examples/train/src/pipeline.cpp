@@ -331,6 +331,7 @@ void train_draft(const run_options& o, const medusa_llama::model& m, const disti
   j += "  \"cache_key\": \"" + rep.key.hex() + "\",\n";
   j += "  \"train_seconds\": " + fmt("%.1f", rep.draft_fit.seconds) + "\n}\n";
   write_text(work / "calibration.json", j);
+  write_text(dir / "calibration.json", j);  // the draft's directory is complete on its own
 }
 
 }  // namespace

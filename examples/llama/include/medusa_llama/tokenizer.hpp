@@ -130,6 +130,13 @@ class hf_tokenizer final : public tokenizer {
   bool prepend_ = true;
 };
 
+//! Where two tokenizers' vocabularies first differ, as a phrase naming the token ("token 7 is
+//! \"ab\" in the draft and \"ac\" in the target" for the names "the draft", "the target"), or ""
+//! when they are the same: the same size, BOS and EOS ids, and every token's bytes
+//! (`decode_piece` after a non-BOS token). What a draft model must share with its target.
+[[nodiscard]] std::string vocabulary_difference(const tokenizer& first, const tokenizer& second, std::string_view first_name = "the first",
+                                                std::string_view second_name = "the second");
+
 //! Opens a tokenizer by file name: `*.json` → `hf_tokenizer`; a GGUF file (see `is_gguf`) → the
 //! `llama2c_tokenizer` of its tokenizer.ggml.* metadata (SentencePiece vocabularies only) with
 //! `add_dummy_prefix`; anything else → a llama2.c `tokenizer.bin` (its own vocabulary size and
