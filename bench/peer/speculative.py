@@ -16,6 +16,9 @@ the draft's GGUF with llama.cpp's own converter:
 
   llama-convert-llama2c-to-ggml --copy-vocab-from-model tokenizer.bin \\
       --llama2c-model d2/draft/model.bin --llama2c-output-model d2/draft/draft-F32.gguf
+
+That converter records a context of 128; give both files their trained context first
+(bench/peer/gguf_set_context.py IN OUT 512), or this engine stops where the file says.
 """
 import argparse
 import json
@@ -76,6 +79,10 @@ def main() -> int:
         rows = [json.loads(l) for l in out2.stdout.splitlines() if l.startswith("{")]
         v = next(r for r in rows if r["mode"] == "vanilla")
         s = next(r for r in rows if r["mode"] == "medusa")
+        if len(v["tokens"]) != a.tokens or int(m.group(1)) < a.tokens:
+            print(f"a run stopped early: ours {len(v['tokens'])} ({v['stop_reason']}), llama-speculative {m.group(1)} of "
+                  f"{a.tokens} tokens (the file's context? see gguf_set_context.py)", file=sys.stderr)
+            return 1
         identical += s["tokens"] == v["tokens"]
         peer.append(float(m.group(3)))
         peer_accept.append(float(acc.group(1)) if acc else float("nan"))
