@@ -30,6 +30,7 @@
 #include <medusa/kv_cache.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -62,7 +63,7 @@ class draft_model_branch {
   //! size. Throws `invalid_input` when the draft's vocabulary size differs (naming both) or
   //! `max_tokens < 1`.
   draft_model_branch(Draft& draft, int target_vocab, draft_model_options opt = {})
-      : state_(std::make_shared<state>(state{&draft, opt, {}, {}, {}, {}, 0, 0})) {
+      : state_(std::make_shared<state>(state{&draft, opt, {}, {}, {}, {}, 0, 0, 0.0})) {
     const int v = static_cast<int>(draft.vocab_size());
     if (v != target_vocab)
       throw invalid_input("draft model: its vocabulary has " + std::to_string(v) + " tokens, the target's " +
@@ -131,6 +132,9 @@ class draft_model_branch {
   [[nodiscard]] std::int64_t tokens_run() const noexcept { return state_->tokens_run; }
   //! Forward passes of the draft so far.
   [[nodiscard]] std::int64_t passes() const noexcept { return state_->passes; }
+  //! Wall-clock seconds of the draft's forward passes so far: the drafter's own cost, for its share
+  //! of a step.
+  [[nodiscard]] double seconds() const noexcept { return state_->seconds; }
 
  private:
   struct state {
@@ -140,6 +144,7 @@ class draft_model_branch {
     std::vector<std::int32_t> positions;
     std::vector<float> logits, hidden;  // hidden: not read, but models may write it unasked
     std::int64_t tokens_run, passes;
+    double seconds;
   };
 
   // Calls `f` with the draft as a batch model: itself, or a single-request draft seen as a batch of
@@ -168,6 +173,7 @@ class draft_model_branch {
     for (int i = 0; i < T; ++i) s.positions[static_cast<std::size_t>(i)] = length + i;
     s.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
     s.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
+    const auto t0 = std::chrono::steady_clock::now();
     as_batch([&](auto& m) {
       using M = std::remove_reference_t<decltype(m)>;
       if constexpr (kv_granting_model<M>) {
@@ -179,6 +185,7 @@ class draft_model_branch {
       }
       detail::forward_request(m, request, tokens, s.positions, length, /*last_row_only=*/true, s.logits, s.hidden);
     });
+    s.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     s.tokens_run += T;
     ++s.passes;
     return argmax(s.logits);

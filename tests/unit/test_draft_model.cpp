@@ -95,10 +95,13 @@ TEST_CASE("a draft whose context ends before the target's drafts less, then noth
   const auto opt = tokens(60);
   const auto plain = medusa::generate_vanilla(target, prompt, medusa::greedy_policy{}, opt);
   branch b(draft, target.vocab_size(), {.max_tokens = 4});
+  CHECK(b.seconds() == 0.0);
   random_heads heads(2, 5);
   medusa::decoder dec(target, heads, medusa::basic_step_drafter<branch>({.lookup = b}, 2), medusa::greedy_policy{});
   const auto r = dec.generate(prompt, opt);
   CHECK(r.tokens == plain.tokens);
+  CHECK(b.seconds() > 0.0);  // the draft's own time, counted over its passes
+  CHECK(b.seconds() < r.stats.seconds.total);
   // The draft writes at most its 24 slots (tiny_model::forward requires it), so no draft past them.
   CHECK(b.tokens_run() <= 24 + 4);
 

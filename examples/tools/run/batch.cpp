@@ -94,6 +94,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
 
   std::vector<batch_report> reports;
   std::int64_t draft_tokens_run = -1, draft_passes = -1;  // the draft model's work, when there is one
+  double draft_seconds = 0;
   if (a.mode != run_mode::medusa) {
     medusa::no_heads none;
     medusa::batch_decoder dec(eng, none, medusa::plain_tree{}, policy, *a.batch);
@@ -111,6 +112,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
     if (draft) {
       draft_tokens_run = draft->tokens_run();
       draft_passes = draft->passes();
+      draft_seconds = draft->seconds();
     }
   }
   for (auto& r : reports)
@@ -132,6 +134,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
     if (draft_tokens_run >= 0) {
       summary["tree"]["drafts"]["draft_tokens_run"] = draft_tokens_run;
       summary["tree"]["drafts"]["draft_passes"] = draft_passes;
+      summary["tree"]["drafts"]["draft_seconds"] = draft_seconds;
     }
   }
   return report_batch(a, reports, prompts.size(), *a.batch, summary, greedy, greedy ? predicted_note(choice.info) : "");

@@ -86,6 +86,8 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
         if (draft) {  // the draft's work over the request (the branch's copies share these counts)
           choice.info["drafts"]["draft_tokens_run"] = draft->tokens_run();
           choice.info["drafts"]["draft_passes"] = draft->passes();
+          choice.info["drafts"]["draft_seconds"] = draft->seconds();
+          choice.info["drafts"]["draft_share"] = r.result.stats.seconds.total > 0 ? draft->seconds() / r.result.stats.seconds.total : 0.0;
           draft->release(0);
         }
         r.tree = choice.info;
