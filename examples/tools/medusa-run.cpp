@@ -5,7 +5,7 @@
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
 //              [--cost-cache DIR|none] [--calibrate-out F] [--lookup N] [--lookup-ngram MIN:MAX] [--dynamic]
-//              [--draft-model F | --self-draft-layers K] [--draft-tokens N] [--draft-alone]
+//              [--draft-model F | --self-draft-layers K] [--draft-tokens N|auto] [--draft-alone]
 //              [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16|int8|q4] [--classifier-weights F] [--head-weights int8|q8_0|q4|bf16|f32]
@@ -20,6 +20,7 @@
 #include <medusa_llama/load.hpp>
 #include <medusa_llama/prompt_file.hpp>
 
+#include "run/draft_tokens.hpp"
 #include "run/modes.hpp"
 #include "run/options.hpp"
 #include "run/setup.hpp"
@@ -58,6 +59,9 @@ int run(run_args a) {
   if (a.draft_tokens < 1 || a.draft_tokens > 64)
     throw usage_error("--draft-tokens must be in [1, 64], got " + std::to_string(a.draft_tokens));
   if (a.draft_alone && !drafted) throw usage_error("--draft-alone needs --draft-model or --self-draft-layers");
+  if (a.draft_tokens_auto && (a.draft_model.empty() || batched))
+    throw usage_error("--draft-tokens auto needs --draft-model (with its calibration.json) and one request (not --prompts-file)");
+  if (a.draft_tokens_auto) a.draft_tokens = static_cast<int>(medusa_run::draft_chain_calibration(a.draft_model).size());
   if (a.draft_alone && a.dynamic) throw usage_error("--draft-alone drafts no heads' tree: it takes no --dynamic");
   if (drafted) {
     if (a.policy == medusa::draft_sampling_policy::name)
@@ -162,7 +166,17 @@ int main(int argc, char** argv) {
                  "--draft-tokens joins each step's tree");
   app.add_option("--self-draft-layers", a.self_draft_layers,
                  "self-speculation: the target's first K layers (then its final norm and classifier) as the draft");
-  app.add_option("--draft-tokens", a.draft_tokens, "the draft's chain length")->capture_default_str();
+  app.add_option_function<std::string>(
+         "--draft-tokens",
+         [&a](const std::string& v) {
+           a.draft_tokens_auto = v == "auto";
+           if (a.draft_tokens_auto) return;
+           char extra = 0;
+           if (std::sscanf(v.c_str(), "%d%c", &a.draft_tokens, &extra) != 1)
+             throw usage_error("--draft-tokens " + v + ": expected a number or auto");
+         },
+         "the draft's chain length, or auto: the fastest on this machine from the draft's calibration.json "
+         "(medusa-train --recipe draft) and measured step costs (default 4)");
   app.add_flag("--draft-alone", a.draft_alone, "the step's tree is the draft's chain (and --lookup) only, without the heads' tree");
   app.add_flag("--dynamic", a.dynamic, "per-step dynamic trees: each step's most probable paths under the heads, as many nodes as the tree");
   app.add_option("--calibration", a.calibration, "--tree auto: the heads' calibration (default: calibration.json beside them)");

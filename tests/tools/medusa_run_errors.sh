@@ -55,6 +55,10 @@ data[at + 8] = ord("Q") if data[at + 8] != ord("Q") else ord("R")  # token 300's
 open(sys.argv[2], "wb").write(data)
 PY
                      args=(--model "$pycode" --heads random:4 --draft-model "$scratch/other-vocab/model.bin" --prompt x) ;;
+  draft_auto_calibration) want=2; pat='--draft-tokens auto needs the calibration.json.*is missing'
+                     args=(--model "$pycode" --heads random:4 --draft-model "$pycode" --draft-tokens auto --prompt x) ;;
+  draft_auto_batch)  want=2; pat='--draft-tokens auto needs --draft-model .* and one request'
+                     args=(--model "$pycode" --heads random:4 --draft-model "$pycode" --draft-tokens auto --prompts-file "$scratch/prompts.txt") ;;
   draft_layers)      want=2; pat='below the model.s 8 layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 8 --prompt x) ;;
   draft_both)        want=2; pat='give one of --draft-model and --self-draft-layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-model "$pycode") ;;
   draft_tokens)      want=2; pat='--draft-tokens must be in'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-tokens 0) ;;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // One prompt on the CPU engine, plainly and/or with Medusa.
 #include "run/modes.hpp"
+#include "run/draft_tokens.hpp"
 #include "run/report.hpp"
 
 #include <medusa_llama/engine.hpp>
@@ -51,9 +52,21 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   std::optional<medusa::draft_model_branch<medusa_llama::engine>> draft;
   if (want_medusa) {
     heads.emplace(pack_heads(model, head_w, a, tree->depth()));
-    if (draft_engine) draft.emplace(*draft_engine, model.vocab_size(), medusa::draft_model_options{.max_tokens = a.draft_tokens});
+    int draft_tokens = a.draft_tokens;
+    nlohmann::json draft_auto;
+    if (draft_engine && a.draft_tokens_auto) {
+      const auto c = choose_draft_tokens(draft_chain_calibration(a.draft_model), model, *draft_engine,
+                                         std::min(static_cast<int>(prompt.size()) + a.max_new_tokens / 2, seq_len / 2));
+      draft_tokens = c.tokens;
+      draft_auto = c.info;
+    }
+    if (draft_engine) draft.emplace(*draft_engine, model.vocab_size(), medusa::draft_model_options{.max_tokens = draft_tokens});
     drafter = make_drafter(a, *tree, tree->depth(), draft ? draft_source::of(*draft) : draft_source{});
     choice.info["drafts"] = describe_drafts(a);
+    if (!draft_auto.is_null()) {
+      choice.info["drafts"]["draft_tokens"] = draft_tokens;
+      choice.info["drafts"]["draft_tokens_auto"] = draft_auto;
+    }
   }
 
   medusa::decode_options dopt;
