@@ -63,6 +63,15 @@ std::vector<std::string> sample_texts() {
   return t;
 }
 
+// One record of a llama2.c tokenizer.bin: float32 score, int32 length, the bytes.
+std::string rec(float score, const std::string& text) {
+  std::string r(8, '\0');
+  const auto len = static_cast<std::int32_t>(text.size());
+  std::memcpy(r.data(), &score, 4);
+  std::memcpy(r.data() + 4, &len, 4);
+  return r + text;
+}
+
 void write_bytes(const fs::path& p, const std::string& bytes) {
   std::ofstream out(p, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
@@ -129,13 +138,6 @@ TEST_CASE("llama2c tokenizer: malformed files throw load_error") {
       CHECK(std::string(e.what()).find("medusa: ") == 0);
     }
   };
-  auto rec = [](float score, const std::string& text) {
-    std::string r(8, '\0');
-    const auto len = static_cast<std::int32_t>(text.size());
-    std::memcpy(r.data(), &score, 4);
-    std::memcpy(r.data() + 4, &len, 4);
-    return r + text;
-  };
   const std::string hdr("\x06\0\0\0", 4);
   const std::string good = hdr + rec(0, "<unk>") + rec(0, "<s>") + rec(0, "</s>") + rec(-1, "ab");
   write_bytes(dir / "ok.bin", good);
@@ -153,13 +155,6 @@ TEST_CASE("llama2c tokenizer: malformed files throw load_error") {
 TEST_CASE("vocabulary_difference names the first token two vocabularies disagree on") {
   const auto dir = tmp_dir / "llama_vocab";
   fs::create_directories(dir);
-  auto rec = [](float score, const std::string& text) {
-    std::string r(8, '\0');
-    const auto len = static_cast<std::int32_t>(text.size());
-    std::memcpy(r.data(), &score, 4);
-    std::memcpy(r.data() + 4, &len, 4);
-    return r + text;
-  };
   const std::string hdr("\x06\0\0\0", 4), base = hdr + rec(0, "<unk>") + rec(0, "<s>") + rec(0, "</s>") + rec(-1, "ab");
   write_bytes(dir / "a.bin", base + rec(-2, "cd"));
   write_bytes(dir / "same.bin", base + rec(-3, "cd"));  // scores differ, pieces do not

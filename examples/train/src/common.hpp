@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <exception>
 #include <cstddef>
 #include <cstdint>
@@ -138,6 +139,36 @@ struct training_meter {
     pr.eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
   }
 };
+
+//! g = Σ_i buffers[i] over the first `n` per-sequence gradient buffers, summed in a fixed order (a
+//! run does not depend on the threads' scheduling), in blocks of 65536 parameters run by
+//! `pf(blocks, body)`; returns Σ g².
+template <class ParallelFor>
+double sum_gradients(const std::vector<std::vector<float>>& buffers, std::size_t n, std::vector<float>& g, ParallelFor&& pf) {
+  constexpr std::size_t blk = 65536;
+  const std::size_t P = g.size(), nblk = (P + blk - 1) / blk;
+  std::vector<double> part(nblk);
+  pf(nblk, [&](std::size_t c) {
+    double sq = 0;
+    for (std::size_t j = c * blk, e = std::min(P, j + blk); j < e; ++j) {
+      float a = 0;
+      for (std::size_t i = 0; i < n; ++i) a += buffers[i][j];
+      g[j] = a;
+      sq += static_cast<double>(a) * a;
+    }
+    part[c] = sq;
+  });
+  double sum = 0;
+  for (double p : part) sum += p;
+  return sum;
+}
+
+//! The factor that clips a gradient of norm √`squared_norm` to `clip_norm` (1 when it is below or
+//! clipping is off).
+inline double clip_factor(double squared_norm, double clip_norm) {
+  const double norm = std::sqrt(squared_norm);
+  return clip_norm > 0 && norm > clip_norm ? clip_norm / (norm + 1e-12) : 1.0;
+}
 
 //! Runs body(i, tid) for i < n on `pool`, one index per chunk (BLAS single-threaded meanwhile: the
 //! sequences are the parallelism). The first error a job throws is rethrown here.

@@ -90,24 +90,7 @@ draft_fit_result fit_draft(dense_model& draft, std::span<const backbone_sequence
       std::fill(gbuf[i].begin(), gbuf[i].end(), 0.0f);
       draft.backward(st, n - 1, z[i].data(), gbuf[i].data());
     });
-    // Summed in a fixed order, so that a run does not depend on the threads' scheduling.
-    constexpr std::size_t blk = 65536;
-    const std::size_t nblk = (P + blk - 1) / blk;
-    std::vector<double> part(nblk);
-    pf(nblk, [&](std::size_t c) {
-      double sq = 0;
-      for (std::size_t j = c * blk, e = std::min(P, j + blk); j < e; ++j) {
-        float a = 0;
-        for (std::size_t i = 0; i < nb; ++i) a += gbuf[i][j];
-        g[j] = a;
-        sq += static_cast<double>(a) * a;
-      }
-      part[c] = sq;
-    });
-    double sqn = 0;
-    for (double p : part) sqn += p;
-    const double norm = std::sqrt(sqn);
-    const double clip = o.opt.clip_norm > 0 && norm > o.opt.clip_norm ? o.opt.clip_norm / (norm + 1e-12) : 1.0;
+    const double clip = detail::clip_factor(detail::sum_gradients(gbuf, nb, g, pf), o.opt.clip_norm);
     optimizer_options sched = o.opt;
     sched.lr = o.lr;
     const double lr = learning_rate(sched, step, total);

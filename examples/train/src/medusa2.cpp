@@ -270,23 +270,8 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
       std::fill(gbuf[i].begin(), gbuf[i].end(), 0.0f);
       lm.backward(states[i], dh[i].data(), gbuf[i].data());
     });
-    constexpr std::size_t blk = 65536;
-    const std::size_t nblk = (P + blk - 1) / blk;
-    std::vector<double> part(nblk);
-    heads.parallel_for(nblk, [&](std::size_t c) {
-      double s = 0;
-      for (std::size_t j = c * blk, e = std::min(P, j + blk); j < e; ++j) {
-        float a = 0;
-        for (std::size_t i = 0; i < nb; ++i) a += gbuf[i][j];
-        g[j] = a;
-        s += static_cast<double>(a) * a;
-      }
-      part[c] = s;
-    });
-    double sqn = heads.grad_squared_norm();
-    for (double p : part) sqn += p;
-    const double norm = std::sqrt(sqn);
-    const double clip = o.opt.clip_norm > 0 && norm > o.opt.clip_norm ? o.opt.clip_norm / (norm + 1e-12) : 1.0;
+    const double sqn = heads.grad_squared_norm() + detail::sum_gradients(gbuf, nb, g, pf);
+    const double clip = detail::clip_factor(sqn, o.opt.clip_norm);
     optimizer_options sched = o.opt;
     sched.lr = o.heads_lr;
     const double lr_heads = learning_rate(sched, step, total);

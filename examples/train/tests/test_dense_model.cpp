@@ -8,6 +8,8 @@
 
 #include <doctest/doctest.h>
 
+#include "stack_helpers.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -16,6 +18,10 @@
 using namespace medusa_train;
 
 namespace {
+
+using stack_test::engine_logits;
+using stack_test::random_tokens;
+using stack_test::relative_diff;
 
 medusa_llama::model_config tiny_config(medusa_llama::rope_style rope, int dim = 32, int layers = 2) {
   medusa_llama::model_config c;
@@ -30,46 +36,12 @@ medusa_llama::model_config tiny_config(medusa_llama::rope_style rope, int dim = 
   return c;
 }
 
-std::vector<std::int32_t> random_tokens(std::size_t n, int vocab, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::int32_t> t(n);
-  for (auto& x : t) x = static_cast<std::int32_t>(rng() % static_cast<unsigned>(vocab));
-  return t;
-}
-
-std::vector<float> engine_logits(const medusa_llama::model& m, const std::vector<std::int32_t>& tokens) {
-  medusa_llama::engine_options eo;
-  eo.threads = 1;
-  eo.max_batch = 64;
-  medusa_llama::engine e(m, eo);
-  std::vector<int> toks(tokens.begin(), tokens.end()), pos(tokens.size());
-  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int>(i);
-  std::vector<float> logits(tokens.size() * static_cast<std::size_t>(m.config().vocab_size));
-  medusa::forward_batch b;
-  b.tokens = toks;
-  b.positions = pos;
-  b.cache_length = 0;
-  b.logits = logits;
-  e.forward(b);
-  return logits;
-}
-
 std::vector<float> dense_logits(const dense_model& dm, const std::vector<std::int32_t>& tokens) {
   sequence_state st;
   dm.forward(tokens, st);
   std::vector<float> z(tokens.size() * static_cast<std::size_t>(dm.config().vocab_size));
   dm.logits(st, 0, tokens.size(), z.data());
   return z;
-}
-
-double relative_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double diff = 0, scale = 1e-30;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, static_cast<double>(std::fabs(a[i] - b[i])));
-    scale = std::max(scale, static_cast<double>(std::fabs(b[i])));
-  }
-  return diff / scale;
 }
 
 }  // namespace
