@@ -86,6 +86,16 @@ class draft_model_branch {
   //! vocabulary (or a request other than 0 for a single-request draft), `acceptance_error` for a
   //! non-finite draft logit row, and what the draft's forward throws.
   int find(int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) {
+    return find_with(request, history, out, [](std::span<const float> logits, int) { return argmax(logits); });
+  }
+  //! The same for request 0.
+  int find(std::span<const std::int32_t> history, std::span<std::int32_t> out) { return find(0, history, out); }
+
+  //! `find` with `choose(logits, i)` picking draft i (0-based) from the draft's logit row after the
+  //! history and drafts 0…i−1 (`find` takes the argmax): what a drafter that samples its chain
+  //! builds on (`draft_model_sampler`). The chosen tokens must lie in the vocabulary.
+  template <class Choose>
+  int find_with(int request, std::span<const std::int32_t> history, std::span<std::int32_t> out, Choose&& choose) {
     state& s = *state_;
     if (!batched && request != 0)
       throw invalid_input("draft model: a single-request draft serves request 0, not request " + std::to_string(request));
@@ -106,19 +116,19 @@ class draft_model_branch {
     const int common = std::min(static_cast<int>(cached.size()), n - 1);
     while (keep < common && cached[static_cast<std::size_t>(keep)] == history[static_cast<std::size_t>(keep)]) ++keep;
     cached.assign(history.begin(), history.begin() + keep);
-    std::int32_t next = run(request, history.subspan(static_cast<std::size_t>(keep)), keep);
+    run(request, history.subspan(static_cast<std::size_t>(keep)), keep);
     cached.insert(cached.end(), history.begin() + keep, history.end());
+    std::int32_t next = choose(std::span<const float>(s.logits), 0);
     out[0] = next;
     for (int i = 1; i < count; ++i) {
       const std::int32_t token[1] = {next};
-      next = run(request, token, n + i - 1);
+      run(request, token, n + i - 1);
       cached.push_back(token[0]);
+      next = choose(std::span<const float>(s.logits), i);
       out[static_cast<std::size_t>(i)] = next;
     }
     return count;
   }
-  //! The same for request 0.
-  int find(std::span<const std::int32_t> history, std::span<std::int32_t> out) { return find(0, history, out); }
 
   //! The request left: its draft cache holds nothing of use any more (a batch draft that frees
   //! pages gets `release(request, 0)`).
@@ -164,9 +174,9 @@ class draft_model_branch {
     return as_batch([&](auto& m) { return detail::request_context(m, request); });
   }
 
-  // Runs `tokens` at slots [length, length + T) of `request` (causal) and returns the greedy next
-  // token.
-  std::int32_t run(int request, std::span<const std::int32_t> tokens, int length) {
+  // Runs `tokens` at slots [length, length + T) of `request` (causal); the last row's logits are
+  // left in `state_->logits`.
+  void run(int request, std::span<const std::int32_t> tokens, int length) {
     state& s = *state_;
     const int T = static_cast<int>(tokens.size());
     s.positions.resize(static_cast<std::size_t>(T));
@@ -188,7 +198,6 @@ class draft_model_branch {
     s.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     s.tokens_run += T;
     ++s.passes;
-    return argmax(s.logits);
   }
 
   std::shared_ptr<state> state_;

@@ -345,6 +345,17 @@ concept request_step_drafts = requires(D& d, int request, std::span<const std::i
   { d.draft(request, history, logits, vocab, tokens) } -> std::same_as<std::optional<tree>>;
 };
 
+//! A per-step drafter that draws its tokens at random: the decoders call `draft(request, history,
+//! head_logits, vocab, node_tokens, seed, step)` with the request's seed and the step number its
+//! verification uses, so that its draws come from Philox(seed, step) in a counter range of their
+//! own (`sample_candidates` does the same), independent of the verification's and different for
+//! every seed.
+template <class D>
+concept seeded_step_drafts = requires(D& d, int request, std::span<const std::int32_t> history, std::span<const float> logits,
+                                      int vocab, std::span<std::int32_t> tokens, std::uint64_t seed, std::uint64_t step) {
+  { d.draft(request, history, logits, vocab, tokens, seed, step) } -> std::same_as<std::optional<tree>>;
+};
+
 //! A per-step tree source for the decoders (`step_drafter`, `basic_step_drafter`, or a user type
 //! with the same members): `max_nodes()`, `max_depth()`, `heads_depth()` and `draft(history,
 //! head_logits, vocab, node_tokens)`, or `draft(request, history, ...)` (`request_step_drafts`),
@@ -356,9 +367,18 @@ concept step_drafts = requires(D& d) {
   { d.max_nodes() } -> std::convertible_to<int>;
   { d.max_depth() } -> std::convertible_to<int>;
   { d.heads_depth() } -> std::convertible_to<int>;
-} && (request_step_drafts<D> || requires(D& d, std::span<const std::int32_t> history, std::span<const float> logits,
+} && (request_step_drafts<D> || seeded_step_drafts<D> || requires(D& d, std::span<const std::int32_t> history, std::span<const float> logits,
                                          int vocab, std::span<std::int32_t> tokens) {
   { d.draft(history, logits, vocab, tokens) } -> std::same_as<std::optional<tree>>;
 });
+
+//! A per-step drafter whose tokens were drawn at random, that also gives the distribution each
+//! node's token was drawn from, for `speculative_policy`: `draft_probs(request)` = `[nodes][vocab]`
+//! of the request's last tree (row 0, the root's, unused). The decoders pass those rows to the
+//! verification (`verify_request::draft_probs`); e.g. `draft_model_sampler`.
+template <class D>
+concept node_distribution_drafts = step_drafts<D> && seeded_step_drafts<D> && requires(const D& d, int request) {
+  { d.draft_probs(request) } -> std::convertible_to<std::span<const float>>;
+};
 
 MEDUSA_NAMESPACE_END

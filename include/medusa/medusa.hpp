@@ -27,6 +27,7 @@
 #include <medusa/heads.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/draft_model.hpp>
+#include <medusa/draft_sampler.hpp>
 #include <medusa/decoder.hpp>
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/decoder/step_cost.hpp>

@@ -409,6 +409,11 @@ class batch_decoder {
 
   // Sampled drafts: candidates come from `sample_candidates`, one draft row per depth per member.
   static constexpr bool samples_drafts = depth_draft_policy<Policy>;
+  // Drafts drawn per node by the drafter (speculative_policy with a `node_distribution_drafts` one).
+  static constexpr bool node_drafts = [] {
+    if constexpr (sampling_policy<Policy>) return Policy::draft_distributions && !samples_drafts && node_distribution_drafts<Tree>;
+    else return false;
+  }();
   // Per-step drafts: each tree step of each request builds its own tree (`step_drafts`).
   static constexpr bool per_step = !tree_like<Tree>;
   static_assert(!per_step || !samples_drafts, "per-step drafts take top-K candidates: use another policy");
@@ -698,7 +703,9 @@ class batch_decoder {
           s.history.push_back(s.pending);
           ok = guarded(s, [&] {
             const auto node_tokens = std::span<std::int32_t>(toks, to_size(n));
-            if constexpr (request_step_drafts<Tree>) s.step_tree = tree_.draft(s.id, s.history, hl, vocab_, node_tokens);
+            if constexpr (seeded_step_drafts<Tree>)  // the verification's seed and step (its draws: their own range)
+              s.step_tree = tree_.draft(s.id, s.history, hl, vocab_, node_tokens, s.opt.seed, static_cast<std::uint64_t>(s.step + 1));
+            else if constexpr (request_step_drafts<Tree>) s.step_tree = tree_.draft(s.id, s.history, hl, vocab_, node_tokens);
             else s.step_tree = tree_.draft(s.history, hl, vocab_, node_tokens);
           });
           s.history.pop_back();
@@ -787,6 +794,7 @@ class batch_decoder {
         const int depth = s.step_tree ? s.step_tree->depth() : static_cast<int>(tree_.depth());
         q.draft_rows = member_draft_rows(i).first(to_size(depth) * V);
       }
+      if constexpr (node_drafts) q.draft_probs = std::span<const float>(tree_.draft_probs(s.id)).first(to_size(s.rows) * V);
       requests_[to_size(verify_count)] = q;
       verify_rows_[to_size(verify_count)] = i;
       ++verify_count;
