@@ -63,6 +63,9 @@ int run(run_args a) {
     throw usage_error("--draft-tokens auto needs --draft-model (with its calibration.json) and one request (not --prompts-file)");
   if (a.draft_tokens_auto) a.draft_tokens = static_cast<int>(medusa_run::draft_chain_calibration(a.draft_model).size());
   if (a.draft_alone && a.dynamic) throw usage_error("--draft-alone drafts no heads' tree: it takes no --dynamic");
+  if (a.policy == medusa::speculative_policy::name && want_medusa && (!drafted || !a.draft_alone || a.lookup > 0 || batched))
+    throw usage_error("--policy speculative samples a draft model's chains and verifies them against the draft's own "
+                      "distribution: it needs --draft-model or --self-draft-layers with --draft-alone, no --lookup, one request");
   if (drafted) {
     if (a.policy == medusa::draft_sampling_policy::name)
       throw usage_error("--policy sampled draws its own drafts: it takes no draft model");
@@ -186,7 +189,8 @@ int main(int argc, char** argv) {
                  "--tree auto: cache directory of measured step costs (default $MEDUSA_CACHE_DIR, $XDG_CACHE_HOME/medusa or "
                  "~/.cache/medusa; none = no cache)");
   app.add_option("--policy", a.policy,
-                 "greedy | typical | rejection | sampled (lossless sampling with drafts drawn from the heads' softmax)")
+                 "greedy | typical | rejection | speculative (lossless sampling: a draft model's chains sampled from its own "
+                 "distribution, with --draft-alone) | sampled (lossless sampling with drafts drawn from the heads' softmax)")
       ->capture_default_str();
   app.add_option("--temperature", a.temperature, "temperature (default: typical 0.7, rejection and sampled 1.0)");
   app.add_option("--top-p", a.top_p, "nucleus mass for --policy rejection and sampled (1 = off)")->capture_default_str();

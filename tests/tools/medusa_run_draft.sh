@@ -3,7 +3,9 @@
 # medusa-run with a draft model: the target's first layers (--self-draft-layers) alone, beside the
 # heads' tree and with a prompt lookup, and the target itself as --draft-model (every chain
 # accepted: 4 tokens a step), one request and three prompts two at a time (--prompts-file --batch);
-# every request's Medusa tokens equal plain greedy decoding, and the draft ran.
+# every request's Medusa tokens equal plain greedy decoding, and the draft ran. Then --policy
+# speculative (chains sampled from the draft's distribution): at T = 0 it is greedy decoding, at
+# T = 0.8 it samples every token asked for, with the target itself as draft accepting all.
 # Usage: medusa_run_draft.sh TOOL SHARED_DIR SCRATCH_DIR
 set -u
 tool=$1 shared=$2 scratch=$3
@@ -31,6 +33,28 @@ print("%s: %d tokens, %.2f per step, the draft ran %d tokens" % ("ok" if ok else
 sys.exit(0 if ok else 1)')
   vrc=$?
   echo "[$extra] exit $rc: $verdict"
+  if [ "$rc" -ne 0 ] || [ "$vrc" -ne 0 ]; then status=1; fi
+done
+
+# Speculative sampling with the draft's own distribution.
+for temp in 0 0.8; do
+  out=$("$tool" --model "$pycode" --heads random:4 --draft-model "$pycode" --draft-alone --draft-tokens 3 --policy speculative \
+        --temperature $temp --mode both --prompt $'import os\n' --max-new-tokens 40 --threads 1 --json 2>/dev/null)
+  rc=$?
+  verdict=$(printf '%s\n' "$out" | TEMP=$temp python3 -c '
+import json, os, sys
+rows = [json.loads(l) for l in sys.stdin if l.startswith("{")]
+plain = [r for r in rows if r["mode"] == "vanilla"]
+med = [r for r in rows if r["mode"] == "medusa"]
+if len(plain) != 1 or len(med) != 1: print("missing runs"); sys.exit(1)
+d = med[0]["tree"]["drafts"]
+greedy = float(os.environ["TEMP"]) == 0
+ok = (len(med[0]["tokens"]) == 40 and d.get("sampled") is True and d["draft_tokens_run"] > 0
+      and (med[0]["tokens"] == plain[0]["tokens"] if greedy else True) and med[0]["mean_accepted"] >= 3.5)
+print("%s: %d tokens, %.2f per step" % ("ok" if ok else "FAIL", len(med[0]["tokens"]), med[0]["mean_accepted"]))
+sys.exit(0 if ok else 1)')
+  vrc=$?
+  echo "[--policy speculative --temperature $temp, the target as draft] exit $rc: $verdict"
   if [ "$rc" -ne 0 ] || [ "$vrc" -ne 0 ]; then status=1; fi
 done
 

@@ -52,9 +52,9 @@ struct run_args {
   std::string cuda_gemm = "invariant";                                    // --cuda-gemm library|invariant|fast
 };
 
-// The policies medusa-run offers (speculative_policy needs a draft distribution per node, which
-// heads do not give; draft_sampling_policy draws the drafts from the heads' softmax).
+// The policies medusa-run offers (speculative_policy verifies a draft model's sampled chains
+// against their rows: --draft-alone; draft_sampling_policy draws the drafts from the heads' softmax).
 using run_policies = medusa::policy_list<medusa::greedy_policy, medusa::typical_policy, medusa::rejection_policy,
-                                         medusa::draft_sampling_policy>;
+                                         medusa::speculative_policy, medusa::draft_sampling_policy>;
 
 }  // namespace medusa_run

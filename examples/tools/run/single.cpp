@@ -7,6 +7,7 @@
 #include <medusa_llama/engine.hpp>
 
 #include <medusa/draft_model.hpp>
+#include <medusa/draft_sampler.hpp>
 
 #include <type_traits>
 
@@ -50,9 +51,9 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   std::optional<medusa_llama::packed_heads> heads;
   std::optional<run_drafter> drafter;
   std::optional<medusa::draft_model_branch<medusa_llama::engine>> draft;
+  int draft_tokens = a.draft_tokens;
   if (want_medusa) {
     heads.emplace(pack_heads(model, head_w, a, tree->depth()));
-    int draft_tokens = a.draft_tokens;
     nlohmann::json draft_auto;
     if (draft_engine && a.draft_tokens_auto) {
       const auto c = choose_draft_tokens(draft_chain_calibration(a.draft_model), model, *draft_engine,
@@ -90,6 +91,18 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
       r.mode = mode;
       if (mode == "vanilla") {
         r.result = medusa::generate_vanilla(model, prompt, policy, dopt, on_token);
+      } else if constexpr (std::is_same_v<decltype(policy), medusa::speculative_policy>) {
+        // Chains sampled from the draft's own distribution, verified against it.
+        const medusa::draft_model_sampler<medusa_llama::engine> sampler(
+            *draft_engine, model.vocab_size(), medusa::draft_sampler_options{.max_tokens = draft_tokens, .warp = policy});
+        medusa::decoder dec(model, *heads, sampler, policy);
+        r.result = dec.generate(prompt, dopt, on_token);
+        choice.info["drafts"]["draft_tokens_run"] = sampler.tokens_run();
+        choice.info["drafts"]["draft_passes"] = sampler.passes();
+        choice.info["drafts"]["draft_seconds"] = sampler.seconds();
+        choice.info["drafts"]["draft_share"] = r.result.stats.seconds.total > 0 ? sampler.seconds() / r.result.stats.seconds.total : 0.0;
+        choice.info["drafts"]["sampled"] = true;
+        r.tree = choice.info;
       } else {
         // A preset runs on its compile-time tree, any other tree on the run-time one.
         r.result = with_tree_source<decltype(policy)>(drafter, *tree, [&](const auto& t) {
