@@ -63,9 +63,9 @@ int run(run_args a) {
     throw usage_error("--draft-tokens auto needs --draft-model (with its calibration.json) and one request (not --prompts-file)");
   if (a.draft_tokens_auto) a.draft_tokens = static_cast<int>(medusa_run::draft_chain_calibration(a.draft_model).size());
   if (a.draft_alone && a.dynamic) throw usage_error("--draft-alone drafts no heads' tree: it takes no --dynamic");
-  if (a.policy == medusa::speculative_policy::name && want_medusa && (!drafted || !a.draft_alone || a.lookup > 0 || batched))
+  if (a.policy == medusa::speculative_policy::name && want_medusa && (!drafted || !a.draft_alone || a.lookup > 0))
     throw usage_error("--policy speculative samples a draft model's chains and verifies them against the draft's own "
-                      "distribution: it needs --draft-model or --self-draft-layers with --draft-alone, no --lookup, one request");
+                      "distribution: it needs --draft-model or --self-draft-layers with --draft-alone, no --lookup");
   if (drafted) {
     if (a.policy == medusa::draft_sampling_policy::name)
       throw usage_error("--policy sampled draws its own drafts: it takes no draft model");

@@ -76,4 +76,16 @@ assert s["vanilla"]["tokens"] == s["medusa"]["tokens"] > 0, s
 assert s["tree"]["drafts"]["draft_tokens_run"] > 0, s
 '; then status=1; fi
 done
+# Sampled chains on the serving engine: every request gets all its tokens, the target as draft
+# accepting every draft.
+summary=$("$tool" --model "$pycode" --heads random:4 --draft-model "$pycode" --draft-alone --draft-tokens 3 --policy speculative \
+          --temperature 0.8 --prompts-file "$scratch/draft_prompts.txt" --batch 2 --mode both --max-new-tokens 32 --threads 1 \
+          --json 2>/dev/null | tail -n 1)
+echo "[batch --policy speculative] $summary"
+if ! printf '%s' "$summary" | python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+assert s["requests"] == 3 and s["vanilla"]["tokens"] == s["medusa"]["tokens"] == 96, s
+assert s["tree"]["drafts"]["draft_tokens_run"] > 0, s
+'; then status=1; fi
 exit $status

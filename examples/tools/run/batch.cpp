@@ -5,6 +5,8 @@
 
 #include <medusa_llama/batch_engine.hpp>
 
+#include <medusa/draft_sampler.hpp>
+
 #include <chrono>
 #include <deque>
 #include <exception>
@@ -102,17 +104,28 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   }
   if (a.mode != run_mode::vanilla) {
     auto heads = pack_heads(eng, head_w, a, tree->depth());
-    std::optional<medusa::draft_model_branch<medusa_llama::batch_engine>> draft;
-    if (draft_engine) draft.emplace(*draft_engine, eng.vocab_size(), medusa::draft_model_options{.max_tokens = a.draft_tokens});
-    const auto drafter = make_drafter(a, *tree, tree->depth(), draft ? draft_source::of(*draft) : draft_source{});
-    reports.push_back(with_tree_source<Policy>(drafter, *tree, [&](const auto& t) {
-      medusa::batch_decoder dec(eng, heads, t, policy, *a.batch);
-      return serve_all(dec, eng, prompts, dopt, bos, "medusa");
-    }));
-    if (draft) {
-      draft_tokens_run = draft->tokens_run();
-      draft_passes = draft->passes();
-      draft_seconds = draft->seconds();
+    if constexpr (std::is_same_v<Policy, medusa::speculative_policy>) {
+      // Each request's chains sampled from the draft's distribution, verified against it.
+      const medusa::draft_model_sampler<medusa_llama::batch_engine> sampler(
+          *draft_engine, eng.vocab_size(), medusa::draft_sampler_options{.max_tokens = a.draft_tokens, .warp = policy});
+      medusa::batch_decoder dec(eng, heads, sampler, policy, *a.batch);
+      reports.push_back(serve_all(dec, eng, prompts, dopt, bos, "medusa"));
+      draft_tokens_run = sampler.tokens_run();
+      draft_passes = sampler.passes();
+      draft_seconds = sampler.seconds();
+    } else {
+      std::optional<medusa::draft_model_branch<medusa_llama::batch_engine>> draft;
+      if (draft_engine) draft.emplace(*draft_engine, eng.vocab_size(), medusa::draft_model_options{.max_tokens = a.draft_tokens});
+      const auto drafter = make_drafter(a, *tree, tree->depth(), draft ? draft_source::of(*draft) : draft_source{});
+      reports.push_back(with_tree_source<Policy>(drafter, *tree, [&](const auto& t) {
+        medusa::batch_decoder dec(eng, heads, t, policy, *a.batch);
+        return serve_all(dec, eng, prompts, dopt, bos, "medusa");
+      }));
+      if (draft) {
+        draft_tokens_run = draft->tokens_run();
+        draft_passes = draft->passes();
+        draft_seconds = draft->seconds();
+      }
     }
   }
   for (auto& r : reports)
