@@ -170,7 +170,7 @@ int main(int argc, char** argv) {
       const auto& q = r.draft_eval;
       st.line(fmt::format("draft: {} steps ({} positions seen) in {:.1f} s{}", r.draft_fit.steps, r.draft_fit.positions_seen, r.draft_fit.seconds,
                           r.draft_fit.budget_limited ? " (shortened by the budget)" : ""));
-      st.line(fmt::format("held-out: {} positions, agreement with the model's greedy tokens {:.1f}%", q.positions, 100 * q.agreement));
+      st.line(fmt::format("held-out: {} positions, agreement with the model's own argmax {:.1f}%", q.positions, 100 * q.agreement));
       st.line("chain  accepted  tokens/step");
       for (std::size_t k = 0; k < q.chain_tokens.size(); ++k)
         st.line(fmt::format("{:>5}  {:7.1f}%  {:.3f}", k + 1, 100 * q.acceptance[k], q.chain_tokens[k]));

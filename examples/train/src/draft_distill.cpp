@@ -128,7 +128,8 @@ draft_fit_result fit_draft(dense_model& draft, std::span<const backbone_sequence
   return res;
 }
 
-draft_quality measure_draft(const dense_model& draft, std::span<const backbone_sequence> seqs, int threads, std::size_t max_depth) {
+draft_quality measure_draft(const dense_model& draft, std::span<const backbone_sequence> seqs, const teacher_table& teacher,
+                            int threads, std::size_t max_depth) {
   const auto V = static_cast<std::size_t>(draft.config().vocab_size);
   std::vector<std::size_t> eval;
   for (std::size_t i = 0; i < seqs.size(); ++i)
@@ -146,7 +147,7 @@ draft_quality measure_draft(const dense_model& draft, std::span<const backbone_s
     draft.logits(states[tid], sq.row0, rows, z[tid].data());
     hits[e].resize(rows);
     for (std::size_t r = 0; r < rows; ++r)
-      hits[e][r] = medusa::argmax(std::span<const float>(z[tid].data() + r * V, V)) == sq.tokens[sq.row0 + r + 1];
+      hits[e][r] = medusa::argmax(std::span<const float>(z[tid].data() + r * V, V)) == teacher.row(eval[e], sq.row0 + r).ids[0];
   });
   draft_quality q;
   std::vector<std::uint64_t> at_least(max_depth + 1, 0);  // positions whose run of hits is ≥ k

@@ -283,7 +283,7 @@ void train_draft(const run_options& o, const medusa_llama::model& m, const disti
   log("draft: " + std::to_string(rep.draft_fit.steps) + " steps in " + fmt("%.1f s", rep.draft_fit.seconds) + fmt(", KL %.4f", rep.draft_fit.final_kl) +
       fmt(", agreement %.1f%%", 100 * rep.draft_fit.final_agreement) + (rep.draft_fit.budget_limited ? " (shortened by the budget)" : ""));
   const auto t_eval = clock_type::now();
-  rep.draft_eval = measure_draft(draft, seqs, threads);
+  rep.draft_eval = measure_draft(draft, seqs, teacher, threads);
   rep.eval_seconds = seconds_since(t_eval);
   const auto& q = rep.draft_eval;
   std::string chain;

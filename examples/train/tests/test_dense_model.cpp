@@ -140,7 +140,7 @@ TEST_CASE("distillation brings a small draft towards its teacher, and chain acce
   // little from 42 sequences): the same sequences, all marked held out for `measure_draft`.
   auto scored = seqs;
   for (auto& sq : scored) sq.which = split::eval;
-  const auto before = measure_draft(draft, scored, 2, 4);
+  const auto before = measure_draft(draft, scored, teacher, 2, 4);
   draft_fit_options fo;
   fo.lr = 1e-2;
   fo.epochs = 60;
@@ -150,7 +150,7 @@ TEST_CASE("distillation brings a small draft towards its teacher, and chain acce
   fo.progress_interval = 0;
   fo.on_progress = [&](const draft_progress& p) { kls.push_back(p.kl); };
   const auto r = fit_draft(draft, seqs, teacher, fo);
-  const auto after = measure_draft(draft, scored, 2, 4);
+  const auto after = measure_draft(draft, scored, teacher, 2, 4);
   REQUIRE(kls.size() == r.steps);
   CHECK(r.train_sequences == 42);
   CHECK(kls.back() < 0.6 * kls.front());
@@ -158,7 +158,7 @@ TEST_CASE("distillation brings a small draft towards its teacher, and chain acce
   MESSAGE("KL " << kls.front() << " -> " << kls.back() << ", agreement " << before.agreement << " -> " << after.agreement);
   // Chain figures: 48 sequences × 36 continuation positions; acceptance by depth and tokens per step agree.
   CHECK(after.positions == 48 * 36);
-  CHECK(measure_draft(draft, seqs, 1, 4).positions == 6 * 36);  // the held-out split alone
+  CHECK(measure_draft(draft, seqs, teacher, 1, 4).positions == 6 * 36);  // the held-out split alone
   REQUIRE(after.acceptance.size() == 4);
   REQUIRE(after.chain_tokens.size() == 4);
   CHECK(after.acceptance[0] == doctest::Approx(after.agreement));

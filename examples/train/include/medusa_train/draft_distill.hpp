@@ -14,7 +14,7 @@
 //! auto teacher = medusa_train::teacher_table::compute(target_as_lora, seqs, 32, threads);
 //! medusa_train::dense_model draft(draft_config, seed);
 //! auto r = medusa_train::fit_draft(draft, seqs, teacher, {.lr = 3e-3, .epochs = 4});
-//! auto q = medusa_train::measure_draft(draft, seqs, threads);
+//! auto q = medusa_train::measure_draft(draft, seqs, teacher, threads);
 //! std::printf("a chain of 4 gives %.2f tokens per step\n", q.chain_tokens[3]);
 //! @endcode
 #pragma once
@@ -78,21 +78,22 @@ struct draft_fit_result {
 draft_fit_result fit_draft(dense_model& draft, std::span<const backbone_sequence> seqs, const teacher_table& teacher,
                            const draft_fit_options& o);
 
-//! How well a draft predicts the target's greedy continuations (held out, teacher-forced).
+//! How well a draft predicts the target's greedy choices (held out, teacher-forced).
 struct draft_quality {
   std::uint64_t positions = 0;        //!< continuation positions scored
-  double agreement = 0;               //!< share where the draft's argmax is the target's next token
+  double agreement = 0;               //!< share where the draft's argmax is the target's argmax
   //! acceptance[k]: P(draft k+1 accepted | drafts 1…k accepted) for a greedy chain.
   std::vector<double> acceptance;
   //! chain_tokens[k]: expected tokens per step (1 + accepted drafts) of a chain of k+1 drafts.
   std::vector<double> chain_tokens;
 };
 
-//! Scores `draft` on the `split::eval` sequences: at every position of a continuation (the
-//! target's own greedy tokens) whether the draft's argmax is the next token, and from the runs of
-//! consecutive hits, the acceptance of greedy chains up to `max_depth` drafts (a chain that starts
-//! at a position accepts exactly the hits that follow it without a miss).
-[[nodiscard]] draft_quality measure_draft(const dense_model& draft, std::span<const backbone_sequence> seqs, int threads,
-                                          std::size_t max_depth = 8);
+//! Scores `draft` on the `split::eval` sequences: at every position of a continuation whether the
+//! draft's argmax is the target's (`teacher`'s best token there, computed on the same sequences),
+//! and from the runs of consecutive hits, the acceptance of greedy chains up to `max_depth`
+//! drafts (on greedy continuations, a chain that starts at a position accepts exactly the hits
+//! that follow it without a miss; on sampled ones this is the same measure of the text).
+[[nodiscard]] draft_quality measure_draft(const dense_model& draft, std::span<const backbone_sequence> seqs,
+                                          const teacher_table& teacher, int threads, std::size_t max_depth = 8);
 
 }  // namespace medusa_train
