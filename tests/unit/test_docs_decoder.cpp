@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // The model of docs/decoder.md, compiled and run: a model that owns its KV buffers and returns a
 // writable view from a non-const kv_cache(), seeded random heads from the library, and greedy
-// Medusa output equal to plain greedy decoding; the tree search, per-step drafts and a draft model
-// of docs/tree.md and docs/decoder.md on the same model.
+// Medusa output equal to plain greedy decoding; the tree search, per-step drafts, a draft model and
+// its sampled chains of docs/tree.md and docs/decoder.md on the same model.
 #include <doctest/doctest.h>
 #include <medusa/decoder.hpp>
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/decoder/step_cost.hpp>
 #include <medusa/draft_model.hpp>
+#include <medusa/draft_sampler.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/io/head_checkpoint.hpp>
 #include <medusa/tree.hpp>
@@ -151,6 +152,15 @@ TEST_CASE("docs/tree.md and docs/decoder.md: the best tree for the machine, then
   medusa::decoder dec_draft(model, heads, drafted, medusa::greedy_policy{});
   CHECK(dec_draft.generate(prompt, opt).tokens == plain.tokens);
   CHECK(draft.tokens_run() >= static_cast<std::int64_t>(prompt.size()));
+
+  // --- docs/decoder.md, "Sampling a draft model's chains" -------------------------------------
+  medusa::draft_model_sampler<my_model> drafts(small, model.vocab_size(),
+                                               {.max_tokens = 3, .warp = {.temperature = 0.7f}});
+  medusa::decoder dec_sampled(model, heads, drafts, medusa::speculative_policy{{.temperature = 0.7f}});
+  opt.seed = 3;
+  const auto sampled = dec_sampled.generate(prompt, opt);
+  CHECK(sampled.tokens.size() == plain.tokens.size());
+  CHECK(drafts.passes() > 0);  // copies share the draft's counts
 }
 
 TEST_CASE("head_weights::random is seeded: same arguments, same weights; another seed, others") {
