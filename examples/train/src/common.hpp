@@ -24,6 +24,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -138,6 +139,37 @@ struct training_meter {
     pr.positions_per_second = positions_seen / std::max(1e-9, elapsed);
     pr.eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
   }
+};
+
+//! Mini-batches of `per_batch` items taken in epochs: at the start of each epoch the items are
+//! shuffled (Fisher–Yates on a splitmix stream from `seed`), then taken in order; an epoch's last
+//! batch may be shorter. `items` must not be empty.
+class shuffled_batches {
+ public:
+  shuffled_batches(std::vector<std::size_t> items, std::size_t per_batch, std::uint64_t seed)
+      : items_(std::move(items)), per_batch_(per_batch), stream_(seed), pos_(per_epoch()) {}
+
+  //! Batches in one epoch.
+  [[nodiscard]] std::size_t per_epoch() const noexcept { return (items_.size() + per_batch_ - 1) / per_batch_; }
+
+  //! The next batch's items.
+  std::span<const std::size_t> next() {
+    if (pos_ >= per_epoch()) {
+      for (std::size_t i = items_.size(); i > 1; --i) {
+        stream_ = mix(stream_);
+        std::swap(items_[i - 1], items_[static_cast<std::size_t>(below(stream_, i))]);
+      }
+      pos_ = 0;
+    }
+    const std::size_t b0 = pos_++ * per_batch_;
+    return std::span<const std::size_t>(items_).subspan(b0, std::min(per_batch_, items_.size() - b0));
+  }
+
+ private:
+  std::vector<std::size_t> items_;
+  std::size_t per_batch_;
+  std::uint64_t stream_;
+  std::size_t pos_;
 };
 
 //! g = Σ_i buffers[i] over the first `n` per-sequence gradient buffers, summed in a fixed order (a

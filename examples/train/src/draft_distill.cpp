@@ -33,7 +33,6 @@ draft_fit_result fit_draft(dense_model& draft, std::span<const backbone_sequence
       if (t < 0 || static_cast<std::size_t>(t) >= V)
         throw medusa::invalid_input("draft: token " + std::to_string(t) + " of the data is outside the draft's vocabulary of " + std::to_string(V));
   const std::size_t S = o.batch_sequences;
-  const std::size_t per_epoch = (order.size() + S - 1) / S;
   res.planned_steps = std::max<std::size_t>(1, static_cast<std::size_t>(std::ceil(o.epochs * static_cast<double>(order.size()) / static_cast<double>(S))));
   std::size_t total = o.max_steps > 0 ? std::min(res.planned_steps, o.max_steps) : res.planned_steps;
 
@@ -49,28 +48,20 @@ draft_fit_result fit_draft(dense_model& draft, std::span<const backbone_sequence
     pool.run(static_cast<int>(nb), [&](int c, int) { f(static_cast<std::size_t>(c)); });
   };
 
-  std::uint64_t shuffle = o.seed ^ 0xd4af7ull;
-  std::size_t pos_in_epoch = per_epoch;
+  detail::shuffled_batches batches(std::move(order), S, o.seed ^ 0xd4af7ull);
   detail::moving_average avg_kl, avg_agree;
   auto last_report = clock_type::now();
   detail::deadline_plan budget{o.deadline, o.reserve_seconds, 4, 10.0};
   for (std::size_t step = 0; step < total; ++step) {
-    if (pos_in_epoch >= per_epoch) {
-      for (std::size_t i = order.size(); i > 1; --i) {
-        shuffle = detail::mix(shuffle);
-        std::swap(order[i - 1], order[static_cast<std::size_t>(detail::below(shuffle, i))]);
-      }
-      pos_in_epoch = 0;
-    }
-    const std::size_t b0 = pos_in_epoch * S, nb = std::min(S, order.size() - b0);
-    ++pos_in_epoch;
+    const auto batch = batches.next();
+    const std::size_t nb = batch.size();
     std::size_t rows = 0;
-    for (std::size_t i = 0; i < nb; ++i) rows += seqs[order[b0 + i]].tokens.size() - 1;
+    for (std::size_t i = 0; i < nb; ++i) rows += seqs[batch[i]].tokens.size() - 1;
     const float weight = 1.0f / static_cast<float>(rows);
 
     // Each sequence: forward, the KL of every position but the last, back into its own buffer.
     detail::per_sequence(pool, nb, [&](std::size_t i, std::size_t) {
-      const std::size_t s = order[b0 + i];
+      const std::size_t s = batch[i];
       const auto& tokens = seqs[s].tokens;
       const std::size_t n = tokens.size();
       auto& st = states[i];
@@ -100,7 +91,7 @@ draft_fit_result fit_draft(dense_model& draft, std::span<const backbone_sequence
     for (std::size_t i = 0; i < nb; ++i) {
       kl += seq_kl[i] / static_cast<double>(rows);
       agree += static_cast<double>(seq_agree[i]) / static_cast<double>(rows);
-      res.positions_seen += seqs[order[b0 + i]].tokens.size();
+      res.positions_seen += seqs[batch[i]].tokens.size();
     }
     avg_kl.add(kl);
     avg_agree.add(agree);

@@ -26,12 +26,6 @@ using detail::mix;
 using detail::per_sequence;
 using detail::seconds_since;
 
-// Uniform index below n from a splitmix stream.
-std::size_t below(std::uint64_t& s, std::size_t n) {
-  s = mix(s);
-  return static_cast<std::size_t>(detail::below(s, n));
-}
-
 // First row of each sequence's teacher rows (one per position but the last), and the total last.
 std::vector<std::size_t> teacher_rows(std::span<const backbone_sequence> seqs) {
   std::vector<std::size_t> first(seqs.size() + 1, 0);
@@ -188,7 +182,6 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
   res.train_sequences = order.size();
   if (order.empty()) throw medusa::invalid_input("medusa2: no training sequence");
   const std::size_t S = o.batch_sequences;
-  const std::size_t per_epoch = (order.size() + S - 1) / S;
   res.planned_steps = std::max<std::size_t>(1, static_cast<std::size_t>(std::ceil(o.epochs * static_cast<double>(order.size()) / static_cast<double>(S))));
   std::size_t total = o.max_steps > 0 ? std::min(res.planned_steps, o.max_steps) : res.planned_steps;
 
@@ -206,8 +199,7 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
   medusa_llama::thread_pool pool(heads.threads());
   auto pf = [&](std::size_t nb, const std::function<void(std::size_t)>& f) { heads.parallel_for(nb, f); };
 
-  std::uint64_t shuffle = o.seed ^ 0x3e5d05a2ull;
-  std::size_t pos_in_epoch = per_epoch;
+  detail::shuffled_batches batches(std::move(order), S, o.seed ^ 0x3e5d05a2ull);
   std::size_t t_adam = 0;
   detail::training_meter meter(K);
   detail::moving_average avg_kl, avg_head;
@@ -215,26 +207,22 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
   auto last_report = clock_type::now();
   detail::deadline_plan budget{o.deadline, o.reserve_seconds, 4, 10.0};
   for (std::size_t step = 0; step < total; ++step) {
-    if (pos_in_epoch >= per_epoch) {
-      for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[below(shuffle, i)]);
-      pos_in_epoch = 0;
-    }
-    const std::size_t b0 = pos_in_epoch * S, nb = std::min(S, order.size() - b0);
-    ++pos_in_epoch;
+    const auto batch = batches.next();
+    const std::size_t nb = batch.size();
     std::size_t kl_rows = 0;
-    for (std::size_t i = 0; i < nb; ++i) kl_rows += seqs[order[b0 + i]].tokens.size() - 1;
+    for (std::size_t i = 0; i < nb; ++i) kl_rows += seqs[batch[i]].tokens.size() - 1;
     const float kl_weight = 1.0f / static_cast<float>(kl_rows);
 
     // A: forward with dropout, the KL term and its gradient at the classifier's input.
     per_sequence(pool, nb, [&](std::size_t i, std::size_t) {
-      const auto& sq = seqs[order[b0 + i]];
+      const auto& sq = seqs[batch[i]];
       const std::size_t n = sq.tokens.size();
       auto& st = states[i];
       lm.forward(sq.tokens, st, {.train = true, .adapters = true, .seed = mix(o.seed ^ mix(step * 1000003ull + i))});
       z[i].resize((n - 1) * V);
       lm.logits(st, 0, n - 1, z[i].data());
       double kl = 0;
-      for (std::size_t p = 0; p + 1 < n; ++p) kl += backbone::kl_row(z[i].data() + p * V, V, teacher.row(order[b0 + i], p), kl_weight);
+      for (std::size_t p = 0; p + 1 < n; ++p) kl += backbone::kl_row(z[i].data() + p * V, V, teacher.row(batch[i], p), kl_weight);
       seq_kl[i] = kl;
       dh[i].assign(n * d, 0.0f);
       lm.classifier_backward(n - 1, z[i].data(), dh[i].data());
@@ -243,14 +231,14 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
     // B: the heads on every row with a head-0 target (t + 2 < n), all sequences in one batch.
     std::size_t R = 0;
     for (std::size_t i = 0; i < nb; ++i) {
-      const auto& sq = seqs[order[b0 + i]];
+      const auto& sq = seqs[batch[i]];
       if (sq.tokens.size() > sq.row0 + 2) R += sq.tokens.size() - 2 - sq.row0;
     }
     X.resize(R * d);
     dX.assign(R * d, 0.0f);
     targets.resize(R * K);
     for (std::size_t i = 0, r = 0; i < nb; ++i) {
-      const auto& sq = seqs[order[b0 + i]];
+      const auto& sq = seqs[batch[i]];
       const std::size_t n = sq.tokens.size();
       for (std::size_t t = sq.row0; t + 2 < n; ++t, ++r) {
         std::copy_n(states[i].hidden.data() + t * d, d, X.data() + r * d);
@@ -260,7 +248,7 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
     openblas_set_num_threads(heads.threads());
     const auto hs = heads.accumulate(X.data(), R, targets.data(), hw, dX.data());
     for (std::size_t i = 0, r = 0; i < nb; ++i) {
-      const auto& sq = seqs[order[b0 + i]];
+      const auto& sq = seqs[batch[i]];
       for (std::size_t t = sq.row0; t + 2 < sq.tokens.size(); ++t, ++r)
         for (std::size_t j = 0; j < d; ++j) dh[i][t * d + j] += dX[r * d + j];
     }
@@ -282,7 +270,7 @@ joint_result fit_joint(lora_model& lm, head_trainer& heads, std::span<const back
     double kl = 0;
     for (std::size_t i = 0; i < nb; ++i) {
       kl += seq_kl[i] / static_cast<double>(kl_rows);
-      res.positions_seen += seqs[order[b0 + i]].tokens.size();
+      res.positions_seen += seqs[batch[i]].tokens.size();
     }
     double head_loss = 0;
     for (std::size_t k = 0; k < K; ++k) head_loss += std::pow(static_cast<double>(o.decay), static_cast<double>(k)) * hs.head_loss[k];
