@@ -95,8 +95,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   const int bos = lm.tok->bos_id();
 
   std::vector<batch_report> reports;
-  std::int64_t draft_tokens_run = -1, draft_passes = -1;  // the draft model's work, when there is one
-  double draft_seconds = 0;
+  nlohmann::json draft_cost;  // the draft model's work, when there is one
   if (a.mode != run_mode::medusa) {
     medusa::no_heads none;
     medusa::batch_decoder dec(eng, none, medusa::plain_tree{}, policy, *a.batch);
@@ -110,9 +109,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
           *draft_engine, eng.vocab_size(), medusa::draft_sampler_options{.max_tokens = a.draft_tokens, .warp = policy});
       medusa::batch_decoder dec(eng, heads, sampler, policy, *a.batch);
       reports.push_back(serve_all(dec, eng, prompts, dopt, bos, "medusa"));
-      draft_tokens_run = sampler.tokens_run();
-      draft_passes = sampler.passes();
-      draft_seconds = sampler.seconds();
+      draft_cost = draft_work(sampler);
     } else {
       std::optional<medusa::draft_model_branch<medusa_llama::batch_engine>> draft;
       if (draft_engine) draft.emplace(*draft_engine, eng.vocab_size(), medusa::draft_model_options{.max_tokens = a.draft_tokens});
@@ -121,11 +118,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
         medusa::batch_decoder dec(eng, heads, t, policy, *a.batch);
         return serve_all(dec, eng, prompts, dopt, bos, "medusa");
       }));
-      if (draft) {
-        draft_tokens_run = draft->tokens_run();
-        draft_passes = draft->passes();
-        draft_seconds = draft->seconds();
-      }
+      if (draft) draft_cost = draft_work(*draft);
     }
   }
   for (auto& r : reports)
@@ -144,11 +137,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   if (tree) {
     summary["tree"] = choice.info;
     summary["tree"]["drafts"] = describe_drafts(a);
-    if (draft_tokens_run >= 0) {
-      summary["tree"]["drafts"]["draft_tokens_run"] = draft_tokens_run;
-      summary["tree"]["drafts"]["draft_passes"] = draft_passes;
-      summary["tree"]["drafts"]["draft_seconds"] = draft_seconds;
-    }
+    if (!draft_cost.is_null()) summary["tree"]["drafts"].update(draft_cost);
   }
   return report_batch(a, reports, prompts.size(), *a.batch, summary, greedy, greedy ? predicted_note(choice.info) : "");
 }

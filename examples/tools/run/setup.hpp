@@ -208,6 +208,16 @@ decltype(auto) with_tree_source(const std::optional<run_drafter>& drafter, const
 
 nlohmann::json describe_drafts(const run_args& a);
 
+//! The draft model's work over a run (a `draft_model_branch` or `draft_model_sampler`; copies share
+//! their counts): `draft_tokens_run`, `draft_passes`, `draft_seconds`, and with `run_seconds`
+//! (one request's run) `draft_share`, the draft's part of it.
+template <class Draft>
+nlohmann::json draft_work(const Draft& d, std::optional<double> run_seconds = std::nullopt) {
+  nlohmann::json j = {{"draft_tokens_run", d.tokens_run()}, {"draft_passes", d.passes()}, {"draft_seconds", d.seconds()}};
+  if (run_seconds) j["draft_share"] = *run_seconds > 0 ? d.seconds() / *run_seconds : 0.0;
+  return j;
+}
+
 // --calibrate-out: path-conditional counts of the heads over each prompt and its greedy output
 // (real decoding, docs/tree.md), written as calibration.json version 2.
 template <class Engine>

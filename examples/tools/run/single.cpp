@@ -97,10 +97,7 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
             *draft_engine, model.vocab_size(), medusa::draft_sampler_options{.max_tokens = draft_tokens, .warp = policy});
         medusa::decoder dec(model, *heads, sampler, policy);
         r.result = dec.generate(prompt, dopt, on_token);
-        choice.info["drafts"]["draft_tokens_run"] = sampler.tokens_run();
-        choice.info["drafts"]["draft_passes"] = sampler.passes();
-        choice.info["drafts"]["draft_seconds"] = sampler.seconds();
-        choice.info["drafts"]["draft_share"] = r.result.stats.seconds.total > 0 ? sampler.seconds() / r.result.stats.seconds.total : 0.0;
+        choice.info["drafts"].update(draft_work(sampler, r.result.stats.seconds.total));
         choice.info["drafts"]["sampled"] = true;
         r.tree = choice.info;
       } else {
@@ -109,11 +106,8 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
           medusa::decoder dec(model, *heads, t, policy);
           return dec.generate(prompt, dopt, on_token);
         });
-        if (draft) {  // the draft's work over the request (the branch's copies share these counts)
-          choice.info["drafts"]["draft_tokens_run"] = draft->tokens_run();
-          choice.info["drafts"]["draft_passes"] = draft->passes();
-          choice.info["drafts"]["draft_seconds"] = draft->seconds();
-          choice.info["drafts"]["draft_share"] = r.result.stats.seconds.total > 0 ? draft->seconds() / r.result.stats.seconds.total : 0.0;
+        if (draft) {  // the draft's work over the request
+          choice.info["drafts"].update(draft_work(*draft, r.result.stats.seconds.total));
           draft->release(0);
         }
         r.tree = choice.info;
