@@ -61,7 +61,10 @@ int run(run_args a) {
   if (a.draft_alone && !drafted) throw usage_error("--draft-alone needs --draft-model or --self-draft-layers");
   if (a.draft_tokens_auto && (a.draft_model.empty() || batched))
     throw usage_error("--draft-tokens auto needs --draft-model (with its calibration.json) and one request (not --prompts-file)");
-  if (a.draft_tokens_auto) a.draft_tokens = static_cast<int>(medusa_run::draft_chain_calibration(a.draft_model).size());
+  if (a.draft_tokens_auto) {  // the longest chain it may choose sizes the engines
+    a.draft_chain = medusa_run::draft_chain_calibration(a.draft_model);
+    a.draft_tokens = static_cast<int>(a.draft_chain.size());
+  }
   if (a.draft_alone && a.dynamic) throw usage_error("--draft-alone drafts no heads' tree: it takes no --dynamic");
   if (a.policy == medusa::speculative_policy::name && want_medusa && (!drafted || !a.draft_alone || a.lookup > 0))
     throw usage_error("--policy speculative samples a draft model's chains and verifies them against the draft's own "

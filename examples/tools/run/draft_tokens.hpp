@@ -21,9 +21,12 @@
 
 namespace medusa_run {
 
-//! The expected tokens per step of greedy chains of 1, 2, … drafts, from `calibration.json` beside
-//! the draft model (or in its directory). Throws `usage_error` naming the file when it is missing
-//! or is not a draft's calibration.
+//! Longest chain `--draft-tokens auto` considers.
+inline constexpr std::size_t max_auto_draft_tokens = 16;
+
+//! The expected tokens per step of greedy chains of 1, 2, … drafts (at most
+//! `max_auto_draft_tokens`), from `calibration.json` beside the draft model (or in its directory).
+//! Throws `usage_error` naming the file when it is missing or is not a draft's calibration.
 inline std::vector<double> draft_chain_calibration(const std::string& draft_model) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -45,7 +48,7 @@ inline std::vector<double> draft_chain_calibration(const std::string& draft_mode
   for (const auto& v : *chain) {
     if (!v.is_number() || !(v.get<double>() >= 1.0) || v.get<double>() > 1e6)
       throw medusa_tools::usage_error(file.string() + ": chain_tokens_per_step holds a value that is not a number >= 1");
-    out.push_back(v.get<double>());
+    if (out.size() < max_auto_draft_tokens) out.push_back(v.get<double>());
   }
   return out;
 }
@@ -67,7 +70,7 @@ struct draft_tokens_choice {
 //! `draft` (their caches are overwritten: call before decoding).
 template <class Target, class Draft>
 draft_tokens_choice choose_draft_tokens(const std::vector<double>& chain, Target& target, Draft& draft, int context) {
-  const int longest = static_cast<int>(std::min<std::size_t>(chain.size(), 16));
+  const int longest = static_cast<int>(chain.size());
   std::vector<int> rows;
   for (int n = 1; n <= longest + 1; ++n) rows.push_back(n);
   no_heads none;

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace medusa_run {
 
@@ -32,6 +33,7 @@ struct run_args {
   int self_draft_layers = 0;                             // the target's first k layers as the draft (0 = off)
   int draft_tokens = 4;                                  // the draft's chain length
   bool draft_tokens_auto = false;                        // --draft-tokens auto: chosen from calibration and costs
+  std::vector<double> draft_chain;                       // --draft-tokens auto: the draft's calibration (read once)
   bool draft_alone = false;                              // the step's tree is the draft's chain (and lookup) only
   // Whether a draft model was asked for (--draft-model or --self-draft-layers).
   [[nodiscard]] bool drafted() const { return !draft_model.empty() || self_draft_layers != 0; }

@@ -56,7 +56,7 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
     heads.emplace(pack_heads(model, head_w, a, tree->depth()));
     nlohmann::json draft_auto;
     if (draft_engine && a.draft_tokens_auto) {
-      const auto c = choose_draft_tokens(draft_chain_calibration(a.draft_model), model, *draft_engine,
+      const auto c = choose_draft_tokens(a.draft_chain, model, *draft_engine,
                                          std::min(static_cast<int>(prompt.size()) + a.max_new_tokens / 2, seq_len / 2));
       draft_tokens = c.tokens;
       draft_auto = c.info;
