@@ -34,6 +34,25 @@ DEFAULT_PROMPTS = [
 ]
 
 
+def unescape(line: str) -> str:
+    """A prompt-file line with its \\n, \\t and \\\\ escapes undone."""
+    out, i = [], 0
+    while i < len(line):
+        if line[i] == "\\" and i + 1 < len(line):
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}.get(line[i + 1], line[i + 1]))
+            i += 2
+        else:
+            out.append(line[i])
+            i += 1
+    return "".join(out)
+
+
+def read_prompts(path: str) -> list:
+    """The prompts of a prompt file: one per non-blank line, escapes undone."""
+    with open(path, encoding="utf-8") as f:
+        return [unescape(l.rstrip("\n")) for l in f if l.strip()]
+
+
 def tree_nodes(bin_dir: str, tree: str) -> int:
     """Node count of a preset, tree text or file, as medusa-tree reads it."""
     import pathlib
@@ -63,20 +82,7 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="more medusa-run options (a draft model, a lookup, ...)")
     ap.add_argument("--plain-model", default="", help="also time plain decoding of this model (the original of a Medusa-2 model)")
     a = ap.parse_args()
-    prompts = DEFAULT_PROMPTS
-    if a.prompts_file:
-        def unescape(line: str) -> str:
-            out, i = [], 0
-            while i < len(line):
-                if line[i] == "\\" and i + 1 < len(line):
-                    out.append({"n": "\n", "t": "\t", "\\": "\\"}.get(line[i + 1], line[i + 1]))
-                    i += 2
-                else:
-                    out.append(line[i])
-                    i += 1
-            return "".join(out)
-        with open(a.prompts_file, encoding="utf-8") as f:
-            prompts = [unescape(l.rstrip("\n")) for l in f if l.strip()]
+    prompts = read_prompts(a.prompts_file) if a.prompts_file else DEFAULT_PROMPTS
 
     print(f"{'weights':7} {'tree':28} {'nodes':>5} {'plain tok/s':>11} {'medusa tok/s':>12} "
           f"{'speedup':>7} {'tok/step':>8} identical"

@@ -28,17 +28,8 @@ import statistics
 import subprocess
 import sys
 
-
-def unescape(line: str) -> str:
-    out, i = [], 0
-    while i < len(line):
-        if line[i] == "\\" and i + 1 < len(line):
-            out.append({"n": "\n", "t": "\t", "\\": "\\"}.get(line[i + 1], line[i + 1]))
-            i += 2
-        else:
-            out.append(line[i])
-            i += 1
-    return "".join(out)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from speedup import read_prompts  # noqa: E402  (bench/speedup.py: the prompt-file format)
 
 
 def main() -> int:
@@ -56,8 +47,7 @@ def main() -> int:
     target = a.target if os.path.exists(a.target) else os.path.join(a.llama, a.target)
     spec = os.path.join(a.llama, "build", "bin", "llama-speculative")
     run = os.path.join(a.build, "examples", "medusa-run")
-    with open(a.prompts_file, encoding="utf-8") as f:
-        prompts = [unescape(l.rstrip("\n")) for l in f if l.strip()]
+    prompts = read_prompts(a.prompts_file)
     if a.limit:
         prompts = prompts[: a.limit]
     peer, plain, ours, ratio, ratio_plain, per_step, peer_accept = [], [], [], [], [], [], []
