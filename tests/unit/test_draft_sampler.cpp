@@ -27,11 +27,6 @@ using tiny::tiny_model;
 constexpr int V = tiny_model::vocab;
 const std::vector<std::int32_t> prompt = {1, 5, 9, 13};
 
-struct no_heads {
-  int num_heads() const { return 0; }
-  void forward(std::span<const float>, std::span<float>) {}
-};
-
 // The target's logits after `context` (one causal pass from slot 0).
 std::vector<float> last_logits(tiny_model& m, const std::vector<std::int32_t>& context) {
   std::vector<std::int32_t> pos(context.size());
@@ -87,7 +82,7 @@ result first_two(tiny_model& target, const Drafts& drafts, const medusa::samplin
     const auto q2 = reference_warp(last_logits(target, ctx).data(), V, warp.temperature, warp.top_k, warp.top_p);
     for (int b = 0; b < V; ++b) p12[static_cast<std::size_t>(a * V + b)] = q1[static_cast<std::size_t>(a)] * q2[static_cast<std::size_t>(b)];
   }
-  no_heads heads;
+  medusa::no_heads heads;
   medusa::decoder dec(target, heads, drafts, medusa::speculative_policy{warp});
   std::vector<long> o1(V), o12(V * V);
   double steps = 0, tokens = 0;
@@ -153,7 +148,7 @@ TEST_CASE("T = 0: sampled chains are greedy chains, and decoding equals plain gr
   opt.max_new_tokens = 60;
   const auto plain = medusa::generate_vanilla(target, prompt, medusa::greedy_policy{}, opt);
   const medusa::draft_model_sampler<tiny_model> drafts(unlike, V, {.max_tokens = 4, .warp = {.temperature = 0.0f}});
-  no_heads heads;
+  medusa::no_heads heads;
   medusa::decoder dec(target, heads, drafts, medusa::speculative_policy{{.temperature = 0.0f}});
   CHECK(dec.generate(prompt, opt).tokens == plain.tokens);
 }

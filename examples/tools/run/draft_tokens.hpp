@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -53,12 +52,6 @@ inline std::vector<double> draft_chain_calibration(const std::string& draft_mode
   return out;
 }
 
-//! No heads: the step-cost measurement times the model's passes only.
-struct no_heads {
-  [[nodiscard]] int num_heads() const noexcept { return 0; }
-  void forward(std::span<const float>, std::span<float>) const noexcept {}
-};
-
 //! What `choose_draft_tokens` chose, and from what.
 struct draft_tokens_choice {
   int tokens = 1;
@@ -73,7 +66,7 @@ draft_tokens_choice choose_draft_tokens(const std::vector<double>& chain, Target
   const int longest = static_cast<int>(chain.size());
   std::vector<int> rows;
   for (int n = 1; n <= longest + 1; ++n) rows.push_back(n);
-  no_heads none;
+  medusa::no_heads none;  // the step-cost measurement times the model's passes only
   const auto step = medusa::measure_step_cost(target, none, {.rows = rows, .context = context, .budget_seconds = 0.4});
   const auto pass = medusa::measure_step_cost(draft, none, {.rows = {1}, .context = context, .budget_seconds = 0.1});
   draft_tokens_choice c;
