@@ -9,11 +9,13 @@
 
 #include <medusa/error.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace medusa_train::detail {
@@ -73,19 +75,16 @@ inline void check_sequence(const medusa_llama::model_config& c, std::span<const 
                                   " is outside the vocabulary");
 }
 
-//! Runs `tokens` (checked) through embedding, blocks and final norm, keeping every activation the
-//! backward needs in `st`. `linear(l, p, x, y)` computes projection p of block l: y = x Wᵀ (+ …).
-template <class Linear>
-void stack_forward(const medusa_llama::model_config& c, const float* embedding, std::span<const medusa_llama::layer_weights> layers,
-                   const float* rms_final, std::span<const std::int32_t> tokens, sequence_state& st, Linear&& linear) {
-  const std::size_t n = tokens.size(), d = static_cast<std::size_t>(c.dim), kv = static_cast<std::size_t>(c.kv_dim()),
-                    hid = static_cast<std::size_t>(c.hidden_dim), L = layers.size();
+//! Sizes `st` for a forward of `n` positions through `layers` blocks; `st.x`'s first n rows are
+//! then the block input for `stack_forward_from` to read.
+inline void stack_prepare(const medusa_llama::model_config& c, std::size_t layers, std::size_t n, sequence_state& st) {
+  const std::size_t d = static_cast<std::size_t>(c.dim), kv = static_cast<std::size_t>(c.kv_dim()),
+                    hid = static_cast<std::size_t>(c.hidden_dim), L = layers;
   auto sized = [](std::vector<std::vector<float>>& v, std::size_t count, std::size_t size) {
     v.resize(count);
     for (auto& e : v) e.resize(size);
   };
   st.n = n;
-  st.tokens.assign(tokens.begin(), tokens.end());
   st.x.resize((L + 1) * n * d);
   st.hidden.resize(n * d);
   st.final_r.resize(n);
@@ -95,8 +94,16 @@ void stack_forward(const medusa_llama::model_config& c, const float* embedding, 
   for (auto* v : {&st.k, &st.v}) sized(*v, L, n * kv);
   for (auto* v : {&st.a, &st.b, &st.h}) sized(*v, L, n * hid);
   sized(st.probs, L, as.heads * n * n);
+}
 
-  for (std::size_t i = 0; i < n; ++i) std::copy_n(embedding + static_cast<std::size_t>(tokens[i]) * d, d, st.x.data() + i * d);
+//! Runs the block input already in `st` (sized by `stack_prepare`, rows [0, st.n) of `st.x`)
+//! through the blocks and the final norm, keeping every activation the backward needs in `st`.
+//! `linear(l, p, x, y)` computes projection p of block l: y = x Wᵀ (+ …).
+template <class Linear>
+void stack_forward_from(const medusa_llama::model_config& c, std::span<const medusa_llama::layer_weights> layers, const float* rms_final,
+                        sequence_state& st, Linear&& linear) {
+  const std::size_t n = st.n, d = static_cast<std::size_t>(c.dim), hid = static_cast<std::size_t>(c.hidden_dim), L = layers.size();
+  const auto as = attention_of(c, n);
   std::vector<std::int32_t> positions(n);
   for (std::size_t i = 0; i < n; ++i) positions[i] = static_cast<std::int32_t>(i);
   std::vector<float> tmp(n * d);
@@ -125,6 +132,17 @@ void stack_forward(const medusa_llama::model_config& c, const float* embedding, 
   backbone::rmsnorm_forward(n, d, st.x.data() + L * n * d, rms_final, eps, st.hidden.data(), st.final_r.data());
 }
 
+//! Runs `tokens` (checked by the caller) through embedding, blocks and final norm.
+template <class Linear>
+void stack_forward(const medusa_llama::model_config& c, const float* embedding, std::span<const medusa_llama::layer_weights> layers,
+                   const float* rms_final, std::span<const std::int32_t> tokens, sequence_state& st, Linear&& linear) {
+  const std::size_t n = tokens.size(), d = static_cast<std::size_t>(c.dim);
+  stack_prepare(c, layers.size(), n, st);
+  st.tokens.assign(tokens.begin(), tokens.end());
+  for (std::size_t i = 0; i < n; ++i) std::copy_n(embedding + static_cast<std::size_t>(tokens[i]) * d, d, st.x.data() + i * d);
+  stack_forward_from(c, layers, rms_final, st, std::forward<Linear>(linear));
+}
+
 //! Gradients of a block's two RMSNorm weights (null: frozen).
 struct norm_gradients {
   float* att = nullptr;
@@ -132,10 +150,11 @@ struct norm_gradients {
 };
 
 //! Back-propagates `d_hidden` ([n][d], the loss's gradient at `st.hidden`) through the stack of a
-//! `stack_forward`. `linear_back(l, p, x, dy, dx)` writes dx = ∂/∂x of projection p of block l
-//! (and adds its own parameters' gradients); `norms(l)` names block l's norm gradients;
-//! `d_rms_final` (may be null) receives the final norm's. `d_input` becomes the gradient at the
-//! embedded tokens ([n][d]). Overwrites nothing in `st` but reads all of it.
+//! `stack_forward` / `stack_forward_from`. `linear_back(l, p, x, dy, dx)` writes dx = ∂/∂x of
+//! projection p of block l (and adds its own parameters' gradients); `norms(l)` names block l's
+//! norm gradients; `d_rms_final` (may be null) receives the final norm's. `d_input` becomes the
+//! gradient at the block input ([n][d]: the embedded tokens of `stack_forward`). Overwrites
+//! nothing in `st` but reads all of it.
 template <class LinearBack, class Norms>
 void stack_backward(const medusa_llama::model_config& c, std::span<const medusa_llama::layer_weights> layers, const float* rms_final,
                     const sequence_state& st, const float* d_hidden, LinearBack&& linear_back, Norms&& norms, float* d_rms_final,
