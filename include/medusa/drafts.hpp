@@ -318,6 +318,22 @@ class basic_step_drafter {
     return out;
   }
 
+  //! Whether the decoders should pass the target's features (`feature_observing`): the branch
+  //! source reads them (e.g. `feature_draft_branch`).
+  [[nodiscard]] bool observes_features() const {
+    if constexpr (requires(const Branch& b) {
+                    { b.observes_features() } -> std::convertible_to<bool>;
+                  })
+      return opt_.lookup && opt_.lookup->observes_features();
+    else return false;
+  }
+  //! The target's features of request `request`'s positions from `position` on (`rows`:
+  //! `[count][hidden]`), for a branch source that reads them.
+  void observe(int request, int position, std::span<const float> rows) {
+    if constexpr (requires(Branch& b) { b.observe(request, position, rows); })
+      if (opt_.lookup) opt_.lookup->observe(request, position, rows);
+  }
+
   //! Request `request` left the batch: the branch source hears of it when it has
   //! `release(request)` (`batch_decoder` calls this).
   void release(int request) {
@@ -371,6 +387,17 @@ concept step_drafts = requires(D& d) {
                                          int vocab, std::span<std::int32_t> tokens) {
   { d.draft(history, logits, vocab, tokens) } -> std::same_as<std::optional<tree>>;
 });
+
+//! A per-step drafter that reads the target's features (its final-normed hidden states, the LM
+//! head's input), e.g. over a `feature_draft_branch`: when `observes_features()` is true, the
+//! decoders call `observe(request, position, rows)` with the features of every prompt position
+//! after the prefill, then of every token a step commits (the root and the accepted drafts), in
+//! order; `rows` = `[count][hidden]` for positions `[position, position + count)`.
+template <class D>
+concept feature_observing = requires(D& d, const D& cd, int request, int position, std::span<const float> rows) {
+  { cd.observes_features() } -> std::convertible_to<bool>;
+  d.observe(request, position, rows);
+};
 
 //! A per-step drafter whose tokens were drawn at random, that also gives the distribution each
 //! node's token was drawn from, for `speculative_policy`: `draft_probs(request)` = `[nodes][vocab]`

@@ -28,6 +28,7 @@
 #include <medusa/drafts.hpp>
 #include <medusa/draft_model.hpp>
 #include <medusa/draft_sampler.hpp>
+#include <medusa/feature_draft.hpp>
 #include <medusa/decoder.hpp>
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/decoder/step_cost.hpp>

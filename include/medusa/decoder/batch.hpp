@@ -417,6 +417,14 @@ class batch_decoder {
   // Per-step drafts: each tree step of each request builds its own tree (`step_drafts`).
   static constexpr bool per_step = !tree_like<Tree>;
   static_assert(!per_step || !samples_drafts, "per-step drafts take top-K candidates: use another policy");
+  // A drafter reading the target's features (`feature_observing`): the prefill keeps every row's
+  // hidden state, and each step hands over the committed rows'.
+  [[nodiscard]] bool observing() const {
+    if constexpr (per_step && feature_observing<Tree>) return tree_.observes_features();
+    else return false;
+  }
+  // Prompt rows per request and prefill pass when every row's outputs are kept (bounds the logits).
+  static constexpr int observed_prefill_rows = 64;
   [[nodiscard]] int max_nodes() const {
     if constexpr (per_step) return tree_.max_nodes();
     else return tree_.num_nodes();
@@ -590,7 +598,8 @@ class batch_decoder {
       int B = 0, T = 0;
       for (slot& s : slots_) {
         if (!s.active || s.done || s.ready) continue;
-        int count = std::min(s.opt.prefill_chunk, static_cast<int>(s.prompt.size()) - s.prefilled);
+        int count = std::min(observing() ? std::min(s.opt.prefill_chunk, observed_prefill_rows) : s.opt.prefill_chunk,
+                             static_cast<int>(s.prompt.size()) - s.prefilled);
         if (!guarded(s, [&] { count = prepare_append(s, s.prefilled, count); })) continue;
         if (positions_.size() < to_size(T + count)) {  // prompt chunks may exceed the tree rows
           positions_.resize(to_size(T + count));
@@ -604,10 +613,15 @@ class batch_decoder {
         add_member(s, s.prefilled, B, T);
       }
       if (B == 0) return;
+      // A drafter reading features gets every prompt row's hidden state (and so every row's logits).
+      const bool all_rows = observing();
+      const int out_rows = all_rows ? T : B;
+      if (logits_.size() < to_size(out_rows) * V) logits_.resize(to_size(out_rows) * V);
+      if (hidden_out_.size() < to_size(out_rows) * d) hidden_out_.resize(to_size(out_rows) * d);
       ragged_batch b = gathered_batch(B, T);
-      b.last_row_only = true;
-      b.logits = std::span<float>(logits_.data(), to_size(B) * V);
-      b.hidden = std::span<float>(hidden_out_.data(), to_size(B) * d);
+      b.last_row_only = !all_rows;
+      b.logits = std::span<float>(logits_.data(), to_size(out_rows) * V);
+      b.hidden = std::span<float>(hidden_out_.data(), to_size(out_rows) * d);
       model_.forward(b);
       const double dt = detail::seconds_since(t0);
       for (int i = 0; i < B; ++i) {
@@ -615,12 +629,18 @@ class batch_decoder {
         s.result.stats.seconds.prefill += dt;
         // Each chunk's last row is checked: a non-finite one fails the request with the chunk's
         // slots left out of its valid length.
-        const auto z = std::span<const float>(logits_.data() + to_size(i) * V, V);
-        const auto h = std::span<const float>(hidden_out_.data() + to_size(i) * d, d);
+        const std::size_t last = all_rows ? to_size(qo_indptr_[to_size(i) + 1] - 1) : to_size(i);
+        const auto z = std::span<const float>(logits_.data() + last * V, V);
+        const auto h = std::span<const float>(hidden_out_.data() + last * d, d);
         const std::string where = "prompt token #" + std::to_string(s.prefilled + s.rows - 1);
         if (!guarded(s, [&] {
               detail::check_logits_row(s.id, 0, z, where);
               detail::check_hidden_row(s.id, 0, h, where);
+              if constexpr (per_step && feature_observing<Tree>)
+                if (all_rows)
+                  tree_.observe(s.id, s.prefilled,
+                                std::span<const float>(hidden_out_.data() + to_size(qo_indptr_[to_size(i)]) * d,
+                                                       to_size(s.rows) * d));
             }))
           continue;
         s.prefilled += s.rows;
@@ -848,6 +868,8 @@ class batch_decoder {
           detail::check_logits_row(s.id, s.step, z, "row 0");
           detail::check_hidden_row(s.id, s.step, h, "row 0");
           s.pending = detail::choose_token(policy_, z, s.opt.seed, s.step, ws_);
+          if constexpr (per_step && feature_observing<Tree>)
+            if (observing()) tree_.observe(s.id, s.length, h);
         });
         st.seconds.accept += seconds_since(tc);
         if (!chosen) continue;  // the slot this step wrote is not counted valid
@@ -864,9 +886,18 @@ class batch_decoder {
       if (!guarded(s, [&] { detail::check_hidden_row(s.id, s.step, h, "node " + std::to_string(res.next_node)); }))
         continue;  // nothing committed: the cache is as before the step
       const auto tc = decode_clock::now();
+      const int L = s.length;
       const bool committed = guarded(s, [&] {
         s.length = with_step_tree(s, [&](const auto& t) { return commit_path(s, t, res.nodes()); });
         if constexpr (kv_releasing_model<Model>) model_.release(s.id, s.length);
+        if constexpr (per_step && feature_observing<Tree>)
+          if (observing()) {  // the committed rows' features, in path order
+            const auto nodes = res.nodes();
+            observed_.resize(nodes.size() * d);
+            for (std::size_t k = 0; k < nodes.size(); ++k)
+              std::copy_n(hidden_out_.data() + (row0 + to_size(nodes[k])) * d, d, observed_.data() + k * d);
+            tree_.observe(s.id, L, observed_);
+          }
       });
       st.seconds.commit += seconds_since(tc);
       if (!committed) continue;
@@ -892,6 +923,7 @@ class batch_decoder {
   std::vector<slot> slots_;
   std::vector<float> head_in_, head_logits_, logits_, hidden_out_;
   std::vector<float> draft_rows_;  // [max_batch][depth][vocab]: sampled drafts' rows, per member
+  std::vector<float> observed_;    // a committed path's features, for a drafter that reads them
   std::vector<std::int32_t> flat_, tokens_, positions_;
   std::vector<int> ids_, head_ids_, qo_indptr_, cache_lengths_, verify_rows_;
   std::vector<slot*> members_;

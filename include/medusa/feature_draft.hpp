@@ -1,0 +1,229 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file feature_draft.hpp
+//! An EAGLE-style feature drafter as the branch source of a `basic_step_drafter` (drafts.hpp): a
+//! small model that reads the *target's own* last hidden states (its features, the final-normed
+//! states its LM head reads) and drafts a chain of tokens after each step's root.
+//!
+//! Row i of the drafter takes (f_i, t_{i+1}): the target's feature at position i and the token
+//! that followed it. It predicts f_{i+1} and, through the target's LM head, the logits of
+//! t_{i+2}. Drafting after a root at position n − 1 runs the rows the drafter has not seen yet
+//! (positions up to n − 2, all with real features: a causal catch-up pass over what the last step
+//! accepted), then feeds each predicted feature forward with the token drafted from it.
+//! Predicted rows are overwritten by real ones at the next step. Verification decides what is
+//! kept, so decoding stays lossless whatever the drafter proposes.
+//!
+//! The decoders hand the target's features to the drafter (`observe`, the `feature_observing`
+//! concept of drafts.hpp): every prompt position after the prefill, then the rows of each step's
+//! accepted path. The drafter model is any `feature_draft_model`, e.g. the example's
+//! `medusa_llama::eagle_engine` (one decoder layer over the target's embedding and LM head).
+//!
+//! @code
+//! medusa::feature_draft_branch<medusa_llama::eagle_engine> eagle(drafter, target.vocab_size(),
+//!                                                                target.hidden_size(), {.max_tokens = 5});
+//! medusa::basic_step_drafter<medusa::feature_draft_branch<medusa_llama::eagle_engine>> drafts({.lookup = eagle}, 1);
+//! medusa::decoder dec(target, medusa::no_heads{}, drafts, medusa::greedy_policy{});
+//! @endcode
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/candidates.hpp>
+#include <medusa/error.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+MEDUSA_NAMESPACE_BEGIN
+
+//! One causal forward of a feature drafter for one request: `T = tokens.size()` rows, row i being
+//! (`features[i]`, `tokens[i]`) at position `positions[i]`, its K/V written at slot
+//! `cache_length + i` of the request's own cache, attending to slots `[0, cache_length)` and to
+//! rows 0…i.
+struct feature_batch {
+  int request = 0;                          //!< the engine's id of the request
+  std::span<const std::int32_t> tokens;     //!< `[T]` the token following each feature's position
+  std::span<const float> features;          //!< `[T][hidden]` the feature of each row's position
+  std::span<const std::int32_t> positions;  //!< `[T]` absolute positions (RoPE)
+  int cache_length = 0;                     //!< slots of the request's drafter cache kept
+  std::span<float> logits;                  //!< `[vocab]`: the last row's logits
+  std::span<float> hidden;                  //!< `[hidden]`: the last row's predicted feature
+};
+
+//! A feature drafter model: `forward(feature_batch)` (see there), `vocab_size()` and
+//! `hidden_size()` equal to the target's, `max_context()` (the most slots of a request's cache),
+//! and `release(request)`: the request left, its cache may go.
+template <class M>
+concept feature_draft_model = requires(M& m, const feature_batch& b, int request) {
+  { m.vocab_size() } -> std::convertible_to<int>;
+  { m.hidden_size() } -> std::convertible_to<int>;
+  { m.max_context() } -> std::convertible_to<int>;
+  m.forward(b);
+  m.release(request);
+};
+
+//! What a `feature_draft_branch` drafts.
+struct feature_draft_options {
+  int max_tokens = 4;  //!< tokens drafted after each root (≥ 1): the chain's length
+};
+
+//! The branch source of a `basic_step_drafter` that runs a feature drafter (see the file comment).
+//! Copies share the drafter's state, as they share the model.
+template <feature_draft_model Model>
+class feature_draft_branch {
+ public:
+  //! `model` must outlive the branch and serve it alone. Throws `invalid_input` when its
+  //! vocabulary or hidden size differs from the target's (naming both) or `max_tokens < 1`.
+  feature_draft_branch(Model& model, int target_vocab, int target_hidden, feature_draft_options opt = {})
+      : state_(std::make_shared<state>()) {
+    state_->model = &model;
+    state_->opt = opt;
+    const int v = static_cast<int>(model.vocab_size()), d = static_cast<int>(model.hidden_size());
+    if (v != target_vocab || d != target_hidden)
+      throw invalid_input("feature drafter: it has a vocabulary of " + std::to_string(v) + " and features of " +
+                          std::to_string(d) + ", the target " + std::to_string(target_vocab) + " and " +
+                          std::to_string(target_hidden));
+    validate();
+  }
+
+  //! Throws `invalid_input` unless `max_tokens ≥ 1`.
+  void validate() const {
+    if (state_->opt.max_tokens < 1)
+      throw invalid_input("feature drafter: max_tokens must be >= 1, got " + std::to_string(state_->opt.max_tokens));
+  }
+
+  //! The longest chain drafted.
+  [[nodiscard]] int max_tokens() const noexcept { return state_->opt.max_tokens; }
+
+  //! The decoders pass the target's features (`feature_observing`).
+  [[nodiscard]] static constexpr bool observes_features() noexcept { return true; }
+
+  //! The target's features of request `request`'s positions `[position, position + rows/hidden)`
+  //! (`rows`: `[count][hidden]`). Positions arrive in order, each once, from 0 on. Throws
+  //! `invalid_input` for rows that are not whole features or do not follow the last ones.
+  void observe(int request, int position, std::span<const float> rows) {
+    state& s = *state_;
+    const auto d = static_cast<std::size_t>(s.model->hidden_size());
+    if (rows.size() % d != 0)
+      throw invalid_input("feature drafter: " + std::to_string(rows.size()) + " values are not whole features of " +
+                          std::to_string(d));
+    request_state& r = s.requests[request];
+    const int known = r.fed + static_cast<int>(r.pending.size() / d);
+    if (position != known)
+      throw invalid_input("feature drafter: request " + std::to_string(request) + " sent the features of position " +
+                          std::to_string(position) + " where position " + std::to_string(known) + " was next");
+    r.pending.insert(r.pending.end(), rows.begin(), rows.end());
+  }
+
+  //! Writes the drafter's greedy chain after `history` (request `request`'s tokens, ending with the
+  //! step's root) to `out`: `min(max_tokens, out.size())` tokens, fewer where the drafter's context
+  //! ends; returns how many. Needs the features of every position but the root's (`observe`).
+  //! Throws `invalid_input` for a history token outside the vocabulary or missing features,
+  //! `acceptance_error` for a non-finite drafter logit row, and what the drafter's forward throws.
+  int find(int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) {
+    return find_with(request, history, out, [](std::span<const float> logits, int) { return argmax(logits); });
+  }
+
+  //! `find` with `choose(logits, i)` picking draft i (0-based) from the drafter's logit row.
+  template <class Choose>
+  int find_with(int request, std::span<const std::int32_t> history, std::span<std::int32_t> out, Choose&& choose) {
+    state& s = *state_;
+    const int n = static_cast<int>(history.size());
+    const int vocab = static_cast<int>(s.model->vocab_size());
+    const auto d = static_cast<std::size_t>(s.model->hidden_size());
+    if (n < 2 || out.empty()) return 0;
+    request_state& r = s.requests[request];
+    const int known = r.fed + static_cast<int>(r.pending.size() / d);
+    if (known != n - 1)
+      throw invalid_input("feature drafter: request " + std::to_string(request) + " has the features of " +
+                          std::to_string(known) + " positions, drafting after " + std::to_string(n) +
+                          " tokens needs " + std::to_string(n - 1));
+    for (const std::int32_t t : history.subspan(static_cast<std::size_t>(r.fed)))
+      if (t < 0 || t >= vocab)
+        throw invalid_input("feature drafter: history token " + std::to_string(t) + " is outside its vocabulary of " +
+                            std::to_string(vocab));
+    // Drafting K tokens writes rows at positions [fed, n − 2 + K): the last must fit the context.
+    const int count = std::min({s.opt.max_tokens, static_cast<int>(out.size()), context() - n + 2});
+    if (count < 1) return 0;
+    // Catch-up: positions [fed, n − 1) with real features, each row's token the one after it.
+    const int rows = n - 1 - r.fed;
+    if (rows < 1) return 0;  // drafted already after this history, and nothing accepted since
+    s.positions.resize(static_cast<std::size_t>(rows));
+    for (int i = 0; i < rows; ++i) s.positions[static_cast<std::size_t>(i)] = r.fed + i;
+    run(request, history.subspan(static_cast<std::size_t>(r.fed) + 1), r.pending, r.fed);
+    r.fed = n - 1;
+    r.pending.clear();
+    for (int i = 0;; ++i) {
+      const std::int32_t next = choose(std::span<const float>(s.logits), i);
+      out[static_cast<std::size_t>(i)] = next;
+      if (i + 1 == count) break;
+      // The predicted feature of position n − 1 + i with the token drafted from it.
+      s.feature.assign(s.hidden.begin(), s.hidden.end());
+      s.positions.assign(1, n - 1 + i);
+      const std::int32_t token[1] = {next};
+      run(request, token, s.feature, n - 1 + i);
+    }
+    return count;
+  }
+
+  //! The request left: its state and the drafter's cache of it go.
+  void release(int request) {
+    state_->requests.erase(request);
+    state_->model->release(request);
+  }
+
+  //! Rows the drafter has run so far (catch-up rows and chain rows), for its cost.
+  [[nodiscard]] std::int64_t tokens_run() const noexcept { return state_->tokens_run; }
+  //! Forward passes of the drafter so far.
+  [[nodiscard]] std::int64_t passes() const noexcept { return state_->passes; }
+  //! Wall-clock seconds of the drafter's forward passes so far.
+  [[nodiscard]] double seconds() const noexcept { return state_->seconds; }
+
+ private:
+  struct request_state {
+    int fed = 0;                 // cache slots [0, fed) hold rows made from real features
+    std::vector<float> pending;  // real features of positions [fed, fed + pending/hidden)
+  };
+  struct state {
+    Model* model = nullptr;
+    feature_draft_options opt;
+    std::map<int, request_state> requests;
+    std::vector<std::int32_t> positions;
+    std::vector<float> logits, hidden, feature;
+    std::int64_t tokens_run = 0, passes = 0;
+    double seconds = 0;
+  };
+
+  [[nodiscard]] int context() const { return static_cast<int>(state_->model->max_context()); }
+
+  // Runs rows (tokens[i], features[i]) at positions `state_->positions` after `length` kept slots;
+  // the last row's logits and predicted feature are left in `state_->logits` / `state_->hidden`.
+  void run(int request, std::span<const std::int32_t> tokens, std::span<const float> features, int length) {
+    state& s = *state_;
+    s.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
+    s.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
+    feature_batch b;
+    b.request = request;
+    b.tokens = tokens;
+    b.features = features;
+    b.positions = s.positions;
+    b.cache_length = length;
+    b.logits = s.logits;
+    b.hidden = s.hidden;
+    const auto t0 = std::chrono::steady_clock::now();
+    s.model->forward(b);
+    s.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    s.tokens_run += static_cast<std::int64_t>(tokens.size());
+    ++s.passes;
+  }
+
+  std::shared_ptr<state> state_;
+};
+
+MEDUSA_NAMESPACE_END
