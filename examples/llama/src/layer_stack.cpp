@@ -289,7 +289,7 @@ void layer_stack::outputs(std::span<const int> out_rows, float* logits, float* h
 template <class View>
 void layer_stack::run(std::span<const std::int32_t> tokens, std::span<const std::int32_t> positions,
                       std::span<const segment<View>> segments, std::span<const int> out_rows, float* logits,
-                      float* hidden) {
+                      float* hidden, const float* inputs) {
   const int T = static_cast<int>(tokens.size());
   const int d = c_.dim, kvd = c_.kv_dim();
   auto on_pool = [this](std::size_t count, auto&& body) {
@@ -314,7 +314,8 @@ void layer_stack::run(std::span<const std::int32_t> tokens, std::span<const std:
     else
       medusa::tree_attention(s.kv, l, s.cache_length, qs, s.rows, c_.n_heads, s.mask, out, ao, pf);
   };
-  embed(tokens);
+  if (inputs) std::memcpy(x_.data(), inputs, tokens.size() * sz(c_.dim) * sizeof(float));
+  else embed(tokens);
   for (int l = 0; l < c_.n_layers; ++l) {
     project_qkv(l, positions);
     if (segments.size() == 1) {
@@ -341,9 +342,9 @@ void layer_stack::run(std::span<const std::int32_t> tokens, std::span<const std:
 
 template void layer_stack::run(std::span<const std::int32_t>, std::span<const std::int32_t>,
                                std::span<const segment<medusa::kv_cache_view<float>>>, std::span<const int>, float*,
-                               float*);
+                               float*, const float*);
 template void layer_stack::run(std::span<const std::int32_t>, std::span<const std::int32_t>,
                                std::span<const segment<medusa::paged_kv_cache_view<float>>>, std::span<const int>,
-                               float*, float*);
+                               float*, float*, const float*);
 
 }  // namespace medusa_llama::detail

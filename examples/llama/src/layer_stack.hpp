@@ -87,10 +87,13 @@ class layer_stack {
 
   //! One pass of `T = tokens.size() <= max_rows()` rows at `positions`, split into `segments`
   //! (covering the rows, each row once). Final-normed hidden states and logits of the rows listed
-  //! in `out_rows` go to consecutive rows of `hidden` / `logits` (null: not wanted). No checks.
+  //! in `out_rows` go to consecutive rows of `hidden` / `logits` (null: not wanted). `inputs`
+  //! (`[T][dim]`, null: the tokens' embeddings) are the first block's input rows, e.g. a feature
+  //! drafter's projected features. No checks.
   template <class View>
   void run(std::span<const std::int32_t> tokens, std::span<const std::int32_t> positions,
-           std::span<const segment<View>> segments, std::span<const int> out_rows, float* logits, float* hidden);
+           std::span<const segment<View>> segments, std::span<const int> out_rows, float* logits, float* hidden,
+           const float* inputs = nullptr);
 
  private:
   struct packed_layer {
@@ -131,9 +134,9 @@ class layer_stack {
 
 extern template void layer_stack::run(std::span<const std::int32_t>, std::span<const std::int32_t>,
                                       std::span<const segment<medusa::kv_cache_view<float>>>, std::span<const int>,
-                                      float*, float*);
+                                      float*, float*, const float*);
 extern template void layer_stack::run(std::span<const std::int32_t>, std::span<const std::int32_t>,
                                       std::span<const segment<medusa::paged_kv_cache_view<float>>>,
-                                      std::span<const int>, float*, float*);
+                                      std::span<const int>, float*, float*, const float*);
 
 }  // namespace medusa_llama::detail

@@ -1,0 +1,211 @@
+// SPDX-License-Identifier: Apache-2.0
+// The feature drafter: the input projection on the pool, then the one-layer stack (layer_stack.hpp)
+// over the projected rows, one contiguous cache per request.
+#include <medusa_llama/eagle_engine.hpp>
+#include <medusa_llama/errors.hpp>
+#include <medusa_llama/thread_pool.hpp>
+
+#include "layer_stack.hpp"
+
+#include <medusa/error.hpp>
+#include <medusa/kv_cache.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <string>
+#include <utility>
+
+namespace medusa_llama {
+
+namespace {
+std::size_t sz(int v) { return static_cast<std::size_t>(v); }
+
+constexpr std::array<char, 8> fc_magic = {'M', 'E', 'D', 'U', 'S', 'A', 'F', 'C'};
+constexpr std::int32_t fc_version = 1;
+}  // namespace
+
+std::vector<float> load_eagle_fc(const std::filesystem::path& path, int dim) {
+  const std::string where = path.string();
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw load_error(load_errc::open_failed, "cannot open the feature drafter's input projection", where);
+  const auto size = static_cast<std::uint64_t>(in.tellg());
+  in.seekg(0);
+  std::array<char, 8> magic{};
+  std::int32_t head[3] = {};
+  if (size < 20 || !in.read(magic.data(), 8) || !in.read(reinterpret_cast<char*>(head), sizeof head))
+    throw load_error(load_errc::truncated, "the input projection ends inside its 20-byte header", where);
+  if (magic != fc_magic) throw load_error(load_errc::bad_header, "not an input projection file (no MEDUSAFC magic)", where);
+  if (head[0] != fc_version)
+    throw load_error(load_errc::unsupported, "input projection version " + std::to_string(head[0]) + " (this reader: 1)", where);
+  if (head[1] != 2 * dim || head[2] != dim)
+    throw load_error(load_errc::size_mismatch,
+                     "the input projection is " + std::to_string(head[2]) + " x " + std::to_string(head[1]) +
+                         ", the model width " + std::to_string(dim) + " needs " + std::to_string(dim) + " x " +
+                         std::to_string(2 * dim),
+                     where);
+  const std::uint64_t want = 20 + sizeof(float) * static_cast<std::uint64_t>(dim) * 2 * static_cast<std::uint64_t>(dim);
+  if (size < want) throw load_error(load_errc::truncated, "the input projection ends before its weights do", where);
+  if (size > want) throw load_error(load_errc::size_mismatch, "the input projection is longer than its header says", where);
+  std::vector<float> fc(sz(dim) * 2 * sz(dim));
+  in.read(reinterpret_cast<char*>(fc.data()), static_cast<std::streamsize>(fc.size() * sizeof(float)));
+  if (!in) throw load_error(load_errc::truncated, "the input projection could not be read", where);
+  return fc;
+}
+
+void save_eagle_fc(const std::filesystem::path& path, const std::vector<float>& fc, int dim) {
+  if (fc.size() != sz(dim) * 2 * sz(dim))
+    throw medusa::invalid_input("input projection: " + std::to_string(fc.size()) + " weights for width " + std::to_string(dim));
+  std::ofstream out(path, std::ios::binary);
+  const std::int32_t head[3] = {fc_version, 2 * dim, dim};
+  out.write(fc_magic.data(), 8);
+  out.write(reinterpret_cast<const char*>(head), sizeof head);
+  out.write(reinterpret_cast<const char*>(fc.data()), static_cast<std::streamsize>(fc.size() * sizeof(float)));
+  if (!out) throw medusa::io_error("cannot write the input projection " + path.string());
+}
+
+struct eagle_engine::impl {
+  detail::layer_stack stack;
+  std::vector<float> fct;  // W_fcᵀ: [2·dim][dim]
+  eagle_options opt;
+  struct cache {
+    std::vector<float> k, v;  // [capacity][kv_dim]
+    medusa::kv_cache_view<float> view;
+  };
+  std::map<int, cache> caches;
+  std::vector<float> x, u;  // projected rows [max_rows][dim]; concatenated inputs [max_rows][2·dim]
+  std::vector<int> out_rows;
+
+  impl(model m, std::vector<float> w, const eagle_options& o)
+      : stack(std::move(m), {.max_rows = o.max_rows, .threads = o.threads, .pool = o.pool, .weights = o.weights}),
+        opt(o) {
+    const std::size_t d = sz(stack.config().dim);
+    fct.resize(w.size());
+    for (std::size_t o = 0; o < d; ++o)
+      for (std::size_t j = 0; j < 2 * d; ++j) fct[j * d + o] = w[o * 2 * d + j];
+  }
+
+  [[nodiscard]] const model_config& config() const noexcept { return stack.config(); }
+
+  cache& cache_of(int request) {
+    auto [it, fresh] = caches.try_emplace(request);
+    if (fresh) {
+      const model_config& c = config();
+      it->second.k.assign(sz(c.seq_len) * sz(c.kv_dim()), 0.0f);
+      it->second.v.assign(it->second.k.size(), 0.0f);
+      it->second.view = medusa::make_kv_view<float>(std::span<float>(it->second.k), std::span<float>(it->second.v),
+                                                    medusa::kv_extents{1, c.n_kv_heads, c.head_dim()}, c.seq_len,
+                                                    medusa::kv_layout::nhd);
+    }
+    return it->second;
+  }
+
+  void validate(const medusa::feature_batch& b) const {
+    const model_config& c = config();
+    const auto T = b.tokens.size();
+    auto fail = [](engine_errc code, const std::string& msg) { throw engine_error(code, "feature drafter: " + msg); };
+    if (T < 1) fail(engine_errc::bad_batch, "empty batch");
+    if (b.positions.size() != T || b.features.size() != T * sz(c.dim))
+      fail(engine_errc::bad_batch, "batch of " + std::to_string(T) + " tokens has " + std::to_string(b.positions.size()) +
+                                       " positions and " + std::to_string(b.features.size()) + " feature values (" +
+                                       std::to_string(c.dim) + " a row)");
+    if (b.cache_length < 0 || T > sz(c.seq_len) || b.cache_length > c.seq_len - static_cast<int>(T))
+      fail(engine_errc::bad_slot, "batch of " + std::to_string(T) + " rows at cache length " + std::to_string(b.cache_length) +
+                                      " does not fit the context " + std::to_string(c.seq_len));
+    detail::check_rows(c, b.tokens, b.positions, 0, "feature drafter: ", b.request);
+    detail::check_outputs(c, 1, b.logits, b.hidden);
+  }
+
+  // x = W_fc [E(token); feature] for rows [r0, r0 + n), over the pool's threads.
+  void project(const medusa::feature_batch& b, int r0, int n) {
+    const std::size_t d = sz(config().dim), in = 2 * d;
+    const float* emb = stack.weights().token_embedding();
+    for (int i = 0; i < n; ++i) {
+      float* u_row = u.data() + sz(i) * in;
+      std::memcpy(u_row, emb + sz(b.tokens[sz(r0 + i)]) * d, d * sizeof(float));
+      std::memcpy(u_row + d, b.features.data() + sz(r0 + i) * d, d * sizeof(float));
+    }
+    // Column blocks of x over the threads; x[o] = Σ_j u[j] W_fc[o][j] as axpys over o (fct is
+    // W_fcᵀ), which vectorize without reordering any sum.
+    const int chunks = std::min(stack.pool().size(), static_cast<int>(d / 16));
+    stack.pool().run(std::max(chunks, 1), [&](int chunk, int) {
+      const std::size_t parts = sz(std::max(chunks, 1));
+      const std::size_t o0 = d * sz(chunk) / parts, o1 = d * sz(chunk + 1) / parts;
+      for (int i = 0; i < n; ++i) {
+        const float* u_row = u.data() + sz(i) * in;
+        float* x_row = x.data() + sz(i) * d;
+        std::fill(x_row + o0, x_row + o1, 0.0f);
+        for (std::size_t j = 0; j < in; ++j) {
+          const float uj = u_row[j];
+          const float* w = fct.data() + j * d;
+          for (std::size_t o = o0; o < o1; ++o) x_row[o] += uj * w[o];
+        }
+      }
+    });
+  }
+
+  void forward(const medusa::feature_batch& b) {
+    validate(b);
+    cache& kv = cache_of(b.request);
+    const int T = static_cast<int>(b.tokens.size());
+    for (int c0 = 0; c0 < T; c0 += opt.max_rows) {
+      const int n = std::min(opt.max_rows, T - c0);
+      project(b, c0, n);
+      const bool last = c0 + n == T;
+      out_rows.assign(last ? 1 : 0, n - 1);
+      const detail::segment<medusa::kv_cache_view<float>> seg{0, n, b.cache_length + c0, kv.view, {}};
+      stack.run(b.tokens.subspan(sz(c0), sz(n)), b.positions.subspan(sz(c0), sz(n)), std::span(&seg, 1),
+                std::span<const int>(out_rows), last && !b.logits.empty() ? b.logits.data() : nullptr,
+                last && !b.hidden.empty() ? b.hidden.data() : nullptr, x.data());
+    }
+  }
+};
+
+eagle_engine::eagle_engine(model layer, std::vector<float> fc, eagle_options o) {
+  const model_config& c = layer.config();
+  auto bad = [](const std::string& msg) { throw engine_error(engine_errc::bad_option, "feature drafter: " + msg); };
+  if (c.n_layers != 1) bad("its model has " + std::to_string(c.n_layers) + " layers, a feature drafter one");
+  if (fc.size() != sz(c.dim) * 2 * sz(c.dim))
+    bad("its input projection has " + std::to_string(fc.size()) + " weights, width " + std::to_string(c.dim) + " needs " +
+        std::to_string(2 * c.dim * c.dim));
+  if (o.max_rows < 1 || o.max_rows > 4096) bad("max_rows " + std::to_string(o.max_rows) + " is outside [1, 4096]");
+  if (o.weights != weight_format::f32 && o.weights != weight_format::bf16)
+    bad(std::string("weights must be f32 or bf16, not ") + to_string(o.weights));
+  detail::check_stack_options({.threads = o.threads, .weights = o.weights});
+  p_ = std::make_unique<impl>(std::move(layer), std::move(fc), o);
+  p_->x.resize(sz(o.max_rows) * sz(c.dim));
+  p_->u.resize(sz(o.max_rows) * 2 * sz(c.dim));
+  p_->out_rows.reserve(1);
+}
+
+eagle_engine eagle_engine::load(const std::filesystem::path& dir, const model_config& target, eagle_options o) {
+  std::error_code ec;
+  const bool hf = std::filesystem::exists(dir / "config.json", ec);
+  model m = hf ? model::load_hf(dir) : model::load_llama2c(dir / "model.bin");
+  const model_config& c = m.config();
+  if (c.dim != target.dim || c.vocab_size != target.vocab_size)
+    throw load_error(load_errc::size_mismatch,
+                     "the feature drafter has width " + std::to_string(c.dim) + " and a vocabulary of " +
+                         std::to_string(c.vocab_size) + ", the target width " + std::to_string(target.dim) + " and " +
+                         std::to_string(target.vocab_size),
+                     dir.string());
+  auto fc = load_eagle_fc(dir / eagle_fc_file, c.dim);
+  return eagle_engine(std::move(m), std::move(fc), o);
+}
+
+eagle_engine::eagle_engine(eagle_engine&&) noexcept = default;
+eagle_engine& eagle_engine::operator=(eagle_engine&&) noexcept = default;
+eagle_engine::~eagle_engine() = default;
+
+const model_config& eagle_engine::config() const noexcept { return p_->config(); }
+int eagle_engine::vocab_size() const noexcept { return p_->config().vocab_size; }
+int eagle_engine::hidden_size() const noexcept { return p_->config().dim; }
+int eagle_engine::max_context() const noexcept { return p_->config().seq_len; }
+void eagle_engine::forward(const medusa::feature_batch& b) { p_->forward(b); }
+void eagle_engine::release(int request) { p_->caches.erase(request); }
+int eagle_engine::requests() const noexcept { return static_cast<int>(p_->caches.size()); }
+
+}  // namespace medusa_llama
