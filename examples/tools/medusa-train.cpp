@@ -108,8 +108,9 @@ int main(int argc, char** argv) {
   std::string recipe = "medusa1";
   app.add_option("--recipe", recipe,
                  "medusa1: heads on the frozen model; medusa2: then heads and a LoRA-adapted backbone jointly; draft: a small draft "
-                 "model distilled from the model (OUT/draft/model.bin, for medusa-run --draft-model)")
-      ->check(CLI::IsMember({"medusa1", "medusa2", "draft"}))
+                 "model distilled from the model (OUT/draft/model.bin, for medusa-run --draft-model); eagle: an EAGLE-style feature "
+                 "drafter, one block on the model's hidden states (OUT/eagle/model.bin + fc.bin)")
+      ->check(CLI::IsMember({"medusa1", "medusa2", "draft", "eagle"}))
       ->capture_default_str();
   app.add_option("--init-heads", o.init_heads, "start from these trained heads (medusa2: instead of the heads-only stage)");
   app.add_option("--lora-rank", o.lora.rank, "medusa2: LoRA rank r (1..d)")->capture_default_str();
@@ -120,8 +121,8 @@ int main(int argc, char** argv) {
   app.add_option("--heads-coefficient", o.heads_coefficient, "medusa2: weight of the heads' loss next to the self-distillation KL")
       ->capture_default_str();
   app.add_option("--joint-epochs", o.joint_epochs, "medusa2: passes of the joint stage over the training sequences")->capture_default_str();
-  app.add_option("--batch-sequences", o.batch_sequences, "medusa2, draft: sequences per optimiser step")->capture_default_str();
-  app.add_option("--teacher-topk", o.teacher_topk, "medusa2, draft: logits of the original model kept per position for the KL")
+  app.add_option("--batch-sequences", o.batch_sequences, "medusa2, draft, eagle: sequences per optimiser step")->capture_default_str();
+  app.add_option("--teacher-topk", o.teacher_topk, "medusa2, draft, eagle: logits of the original model kept per position for the KL")
       ->capture_default_str();
   app.add_option("--draft-layers", o.draft_layers, "draft: blocks of the draft model")->capture_default_str();
   app.add_option("--draft-dim", o.draft_dim, "draft: width of the draft model")->capture_default_str();
@@ -129,6 +130,12 @@ int main(int argc, char** argv) {
   app.add_option("--draft-heads", o.draft_heads, "draft: attention heads")->capture_default_str();
   app.add_option("--draft-lr", o.draft_lr, "draft: peak learning rate")->capture_default_str();
   app.add_option("--draft-epochs", o.draft_epochs, "draft: passes over the training sequences")->capture_default_str();
+  app.add_option("--eagle-hidden-dim", o.eagle_hidden, "eagle: SwiGLU width of the drafter's block (0: the model's)")->capture_default_str();
+  app.add_option("--eagle-lr", o.eagle_lr, "eagle: peak learning rate")->capture_default_str();
+  app.add_option("--eagle-epochs", o.eagle_epochs, "eagle: passes over the training sequences")->capture_default_str();
+  app.add_option("--eagle-reg", o.eagle_reg, "eagle: weight of the feature regression (SmoothL1) next to the KL")->capture_default_str();
+  app.add_option("--eagle-noise", o.eagle_noise, "eagle: input feature noise U(-a, a) while training, a = this x the features' RMS")
+      ->capture_default_str();
   bool quiet = false;
   app.add_flag("--no-progress", quiet, "no progress lines (errors and the summary only)");
 
@@ -136,7 +143,10 @@ int main(int argc, char** argv) {
     if (o.prompts.empty() && o.corpus.empty()) throw medusa_tools::usage_error("give --prompts FILE or --corpus DIR");
     o.cache_dtype = cache_dtypes.at(cache_dtype);
     o.heads_dtype = heads_dtypes.at(heads_dtype);
-    o.what = recipe == "medusa2" ? medusa_train::recipe::medusa2 : recipe == "draft" ? medusa_train::recipe::draft : medusa_train::recipe::medusa1;
+    o.what = recipe == "medusa2" ? medusa_train::recipe::medusa2
+             : recipe == "draft" ? medusa_train::recipe::draft
+             : recipe == "eagle" ? medusa_train::recipe::eagle
+                                 : medusa_train::recipe::medusa1;
     status_line st;
     medusa_train::run_events ev;
     ev.log = [&](const std::string& s) { st.line(s); };
@@ -164,8 +174,25 @@ int main(int argc, char** argv) {
                               p.total_steps, p.kl, 100 * p.agreement, p.lr, p.positions_per_second, duration(p.elapsed), duration(p.eta)),
                   p.step == p.total_steps);
       };
+      ev.on_eagle = [&](const medusa_train::eagle_progress& p) {
+        st.update(fmt::format("eagle step {:>6}/{}  KL {:.4f}  reg {:.4f}  agreement {:4.1f}%  lr {:.2e}  {:5.0f} pos/s  elapsed {}  ETA {}", p.step,
+                              p.total_steps, p.kl, p.regression, 100 * p.agreement, p.lr, p.positions_per_second, duration(p.elapsed),
+                              duration(p.eta)),
+                  p.step == p.total_steps);
+      };
     }
     const auto r = medusa_train::run_training(o, ev);
+    if (o.what == medusa_train::recipe::eagle) {
+      const auto& q = r.eagle_eval;
+      st.line(fmt::format("eagle: {} steps ({} positions seen) in {:.1f} s{}", r.eagle_fit.steps, r.eagle_fit.positions_seen, r.eagle_fit.seconds,
+                          r.eagle_fit.budget_limited ? " (shortened by the budget)" : ""));
+      st.line(fmt::format("held-out: {} positions, agreement with the model's own argmax {:.1f}%", q.positions, 100 * q.agreement));
+      st.line("chain  accepted  tokens/step  (teacher-forced)");
+      for (std::size_t k = 0; k < q.chain_tokens.size(); ++k)
+        st.line(fmt::format("{:>5}  {:7.1f}%  {:11.3f}  ({:.3f})", k + 1, 100 * q.acceptance[k], q.chain_tokens[k], q.chain_tokens_teacher_forced[k]));
+      st.line(fmt::format("wrote {}, fc.bin and calibration.json ({:.1f} s total)", r.eagle_file.string(), r.total_seconds));
+      return medusa_tools::exit_ok;
+    }
     if (o.what == medusa_train::recipe::draft) {
       const auto& q = r.draft_eval;
       st.line(fmt::format("draft: {} steps ({} positions seen) in {:.1f} s{}", r.draft_fit.steps, r.draft_fit.positions_seen, r.draft_fit.seconds,

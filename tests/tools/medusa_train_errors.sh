@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# One bad-input case of medusa-train (--recipe medusa2 or draft): the expected exit status (2 = invalid input,
+# One bad-input case of medusa-train (--recipe medusa2, draft or eagle): the expected exit status (2 = invalid input,
 # 1 = I/O), the error as the last line of stderr (exactly one line when refused up front), and no
 # output directory afterwards. Usage: medusa_train_errors.sh TOOL SHARED_DIR SCRATCH_DIR CASE
 set -u
@@ -28,6 +28,16 @@ case $case in
                   args=("${common[@]}" --out "$dir/out" --recipe draft --draft-dim 100 --draft-heads 3) ;;
   draft_init_heads) want=2; pat='--recipe draft trains no heads'
                   args=("${common[@]}" --out "$dir/out" --recipe draft --init-heads "$dir") ;;
+  eagle_reg)      want=2; pat='--eagle-reg must be a finite number >= 0, got -1'
+                  args=("${common[@]}" --out "$dir/out" --recipe eagle --eagle-reg -1) ;;
+  eagle_noise)    want=2; pat='--eagle-noise must be a finite number >= 0, got -0.5'
+                  args=("${common[@]}" --out "$dir/out" --recipe eagle --eagle-noise -0.5) ;;
+  eagle_hidden)   want=2; pat='--eagle-hidden-dim must be >= 0 \(0: the model.s\), got -4'
+                  args=("${common[@]}" --out "$dir/out" --recipe eagle --eagle-hidden-dim -4) ;;
+  eagle_lr)       want=2; pat='--eagle-lr, --eagle-epochs, --batch-sequences and --teacher-topk must be positive'
+                  args=("${common[@]}" --out "$dir/out" --recipe eagle --eagle-lr 0) ;;
+  eagle_init_heads) want=2; pat='--recipe eagle trains no heads'
+                  args=("${common[@]}" --out "$dir/out" --recipe eagle --init-heads "$dir") ;;
   full_disk)      want=1; pat='disk full|cannot write|write failed'; one_line=0
                   ulimit -f 96  # KiB per file: the data fits, the teacher table and the outputs do not
                   args=("${small[@]}") ;;

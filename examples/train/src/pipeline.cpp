@@ -243,6 +243,22 @@ void write_heldout_prompts(const std::filesystem::path& work, const prompt_set& 
   write_text(work / "heldout-prompts.txt", text);
 }
 
+// The target's tokenizer files beside a model written into `dir`.
+void copy_tokenizer(const std::filesystem::path& tok_path, const std::filesystem::path& dir) {
+  copy_beside(tok_path.parent_path(), dir, {"tokenizer.bin", "tokenizer.model", "tokenizer.json", "tokenizer_config.json"});
+  if (!medusa_llama::is_gguf(tok_path)) {  // a tokenizer of another name (tok512.bin), under its own name
+    std::error_code ec;
+    std::filesystem::copy_file(tok_path, dir / tok_path.filename(), std::filesystem::copy_options::overwrite_existing, ec);
+    if (ec) throw medusa::io_error("cannot copy " + tok_path.string() + " to " + dir.string() + ": " + ec.message());
+  }
+}
+
+std::string json_list(const std::vector<double>& v) {
+  std::string t;
+  for (std::size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + fmt("%.4f", v[i]);
+  return "[" + t + "]";
+}
+
 // The draft model's shape: the options' width and depth, the target's vocabulary and conventions.
 medusa_llama::model_config draft_config(const run_options& o, const medusa_llama::model_config& target) {
   medusa_llama::model_config c = target;
@@ -300,17 +316,8 @@ void train_draft(const run_options& o, const medusa_llama::model& m, const disti
     draft.to_model().save_hf(dir);
     rep.draft_file = o.out / "draft";
   }
-  copy_beside(tok_path.parent_path(), dir, {"tokenizer.bin", "tokenizer.model", "tokenizer.json", "tokenizer_config.json"});
-  if (!medusa_llama::is_gguf(tok_path)) {  // a tokenizer of another name (tok512.bin), under its own name
-    std::filesystem::copy_file(tok_path, dir / tok_path.filename(), std::filesystem::copy_options::overwrite_existing, ec);
-    if (ec) throw medusa::io_error("cannot copy " + tok_path.string() + " to " + dir.string() + ": " + ec.message());
-  }
+  copy_tokenizer(tok_path, dir);
 
-  auto list = [](const std::vector<double>& v) {
-    std::string t;
-    for (std::size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + fmt("%.4f", v[i]);
-    return "[" + t + "]";
-  };
   std::string j = "{\n";
   j += "  \"recipe\": \"draft\",\n";
   j += "  \"model\": " + json_str(o.model.string()) + ",\n";
@@ -321,8 +328,8 @@ void train_draft(const run_options& o, const medusa_llama::model& m, const disti
   j += "  \"split\": \"eval\",\n";
   j += "  \"positions\": " + std::to_string(q.positions) + ",\n";
   j += "  \"agreement\": " + fmt("%.5f", q.agreement) + ",\n";
-  j += "  \"acceptance_by_depth\": " + list(q.acceptance) + ",\n";
-  j += "  \"chain_tokens_per_step\": " + list(q.chain_tokens) + ",\n";
+  j += "  \"acceptance_by_depth\": " + json_list(q.acceptance) + ",\n";
+  j += "  \"chain_tokens_per_step\": " + json_list(q.chain_tokens) + ",\n";
   j += "  \"steps\": " + std::to_string(rep.draft_fit.steps) + ",\n";
   j += "  \"epochs\": " + fmt("%g", o.draft_epochs) + ",\n";
   j += "  \"lr\": " + fmt("%g", o.draft_lr) + ",\n";
@@ -332,6 +339,95 @@ void train_draft(const run_options& o, const medusa_llama::model& m, const disti
   j += "  \"train_seconds\": " + fmt("%.1f", rep.draft_fit.seconds) + "\n}\n";
   write_text(work / "calibration.json", j);
   write_text(dir / "calibration.json", j);  // the draft's directory is complete on its own
+}
+
+// --recipe eagle: the target's features once, then the one-block drafter on them; scored on the
+// held-out continuations with chains drafted on its own predicted features; written as
+// OUT/eagle/model.bin (llama2.c; a Hugging Face directory OUT/eagle for a target with RoPE on
+// halves) + OUT/eagle/fc.bin, the tokenizer beside them, and OUT/calibration.json.
+void train_eagle(const run_options& o, const medusa_llama::model& m, const distill_cache& data, const prompt_set& prompts,
+                 const medusa_llama::tokenizer& tok, const std::filesystem::path& tok_path, const std::filesystem::path& cache_dir,
+                 const std::filesystem::path& work, int threads, std::optional<clock_type::time_point> deadline, run_report& rep,
+                 const run_events& ev, const std::function<void(const std::string&)>& log) {
+  const auto seqs = cache_sequences(data, prompts, tok, o.seed, o.prompt_min, o.prompt_max);
+  const auto teacher = teacher_for(m, seqs, rep, cache_dir, o.teacher_topk, threads, log);
+  const auto t_features = clock_type::now();
+  const lora_model original(m, {.rank = 1, .alpha = 1, .dropout = 0}, 0);
+  const auto features = feature_table::compute(original, seqs, threads);
+  rep.feature_rms = features.rms(seqs);
+  log("features: the target's final-normed hidden states of " + std::to_string(seqs.size()) + " sequences in " +
+      fmt("%.1f s", seconds_since(t_features)) + fmt(", RMS %.4f", rep.feature_rms));
+  eagle_model em(m, o.eagle_hidden, o.seed ^ 0xea61eull);
+  const auto& cfg = em.config();
+  eagle_fit_options fo;
+  fo.lr = o.eagle_lr;
+  fo.epochs = o.eagle_epochs;
+  fo.reg = o.eagle_reg;
+  fo.noise = o.eagle_noise * rep.feature_rms;
+  fo.batch_sequences = o.batch_sequences;
+  fo.opt = o.opt;
+  fo.seed = o.seed;
+  fo.threads = threads;
+  fo.deadline = deadline;
+  fo.reserve_seconds = 5.0;
+  fo.on_progress = ev.on_eagle;
+  fo.progress_interval = ev.progress_interval;
+  log("eagle drafter: 1 block, d=" + std::to_string(cfg.dim) + ", hidden " + std::to_string(cfg.hidden_dim) + ", " + std::to_string(cfg.n_heads) +
+      " heads (" + std::to_string(em.params().size()) + " parameters), lr " + fmt("%g", o.eagle_lr) + fmt(", reg %g", o.eagle_reg) +
+      fmt(", noise %g", fo.noise));
+  rep.eagle_fit = fit_eagle(em, seqs, features, teacher, fo);
+  log("eagle: " + std::to_string(rep.eagle_fit.steps) + " steps in " + fmt("%.1f s", rep.eagle_fit.seconds) + fmt(", KL %.4f", rep.eagle_fit.final_kl) +
+      fmt(", regression %.4f", rep.eagle_fit.final_regression) + fmt(", agreement %.1f%%", 100 * rep.eagle_fit.final_agreement) +
+      (rep.eagle_fit.budget_limited ? " (shortened by the budget)" : ""));
+  const auto t_eval = clock_type::now();
+  rep.eagle_eval = measure_eagle(em, seqs, features, teacher, threads);
+  rep.eval_seconds = seconds_since(t_eval);
+  const auto& q = rep.eagle_eval;
+  std::string chain, chain_tf;
+  for (std::size_t k = 0; k < q.chain_tokens.size(); ++k) chain += fmt(k ? " / %.2f" : "%.2f", q.chain_tokens[k]);
+  for (std::size_t k = 0; k < q.chain_tokens_teacher_forced.size(); ++k) chain_tf += fmt(k ? " / %.2f" : "%.2f", q.chain_tokens_teacher_forced[k]);
+  log("eagle, held out: agreement " + fmt("%.1f%%", 100 * q.agreement) + " on " + std::to_string(q.positions) +
+      " positions; tokens per step of chains of 1…" + std::to_string(q.chain_tokens.size()) + ": " + chain + " (teacher-forced: " + chain_tf + ")");
+  std::error_code ec;
+  const auto dir = work / "eagle";
+  std::filesystem::create_directories(dir, ec);
+  if (cfg.rope == medusa_llama::rope_style::adjacent_pairs) {
+    em.to_model().save_llama2c(dir / "model.bin");
+    rep.eagle_file = o.out / "eagle" / "model.bin";
+  } else {  // llama2.c files hold adjacent-pair RoPE only
+    em.to_model().save_hf(dir);
+    rep.eagle_file = o.out / "eagle";
+  }
+  em.save_fc(dir / "fc.bin");
+  copy_tokenizer(tok_path, dir);
+
+  std::string j = "{\n";
+  j += "  \"recipe\": \"eagle\",\n";
+  j += "  \"model\": " + json_str(o.model.string()) + ",\n";
+  j += "  \"eagle_model\": " + json_str(rep.eagle_file.string()) + ",\n";
+  j += "  \"eagle\": {\"n_layers\": 1, \"dim\": " + std::to_string(cfg.dim) + ", \"hidden_dim\": " + std::to_string(cfg.hidden_dim) +
+       ", \"n_heads\": " + std::to_string(cfg.n_heads) + ", \"n_kv_heads\": " + std::to_string(cfg.n_kv_heads) + ", \"fc\": [" +
+       std::to_string(cfg.dim) + ", " + std::to_string(2 * cfg.dim) + "], \"parameters\": " + std::to_string(em.params().size()) + "},\n";
+  j += "  \"split\": \"eval\",\n";
+  j += "  \"positions\": " + std::to_string(q.positions) + ",\n";
+  j += "  \"agreement\": " + fmt("%.5f", q.agreement) + ",\n";
+  j += "  \"chain_estimate\": \"autoregressive\",\n";
+  j += "  \"acceptance_by_depth\": " + json_list(q.acceptance) + ",\n";
+  j += "  \"chain_tokens_per_step\": " + json_list(q.chain_tokens) + ",\n";
+  j += "  \"chain_tokens_per_step_teacher_forced\": " + json_list(q.chain_tokens_teacher_forced) + ",\n";
+  j += "  \"feature_regression\": " + fmt("%.5f", q.regression) + ",\n";
+  j += "  \"steps\": " + std::to_string(rep.eagle_fit.steps) + ",\n";
+  j += "  \"epochs\": " + fmt("%g", o.eagle_epochs) + ",\n";
+  j += "  \"lr\": " + fmt("%g", o.eagle_lr) + ",\n";
+  j += "  \"reg\": " + fmt("%g", o.eagle_reg) + ",\n";
+  j += "  \"noise\": " + fmt("%g", o.eagle_noise) + ",\n";
+  j += "  \"feature_rms\": " + fmt("%.5f", rep.feature_rms) + ",\n";
+  j += "  \"final_kl\": " + fmt("%.5f", rep.eagle_fit.final_kl) + ",\n";
+  j += "  \"seed\": " + std::to_string(o.seed) + ",\n";
+  j += "  \"cache_key\": \"" + rep.key.hex() + "\",\n";
+  j += "  \"train_seconds\": " + fmt("%.1f", rep.eagle_fit.seconds) + "\n}\n";
+  write_text(work / "calibration.json", j);
+  write_text(dir / "calibration.json", j);  // the drafter's directory is complete on its own
 }
 
 }  // namespace
@@ -405,6 +501,17 @@ run_report run_training(const run_options& o, const run_events& ev) {
     if (!cfg.shared_classifier)
       throw medusa::invalid_input("train: --recipe draft ties the draft's classifier to its embedding; the target has a separate classifier, "
                                   "which is not supported yet");
+  }
+  if (o.what == recipe::eagle) {
+    if (o.eagle_hidden < 0) throw medusa::invalid_input("train: --eagle-hidden-dim must be >= 0 (0: the model's), got " + std::to_string(o.eagle_hidden));
+    if (!(o.eagle_lr > 0) || !std::isfinite(o.eagle_lr) || !(o.eagle_epochs > 0) || !std::isfinite(o.eagle_epochs) || o.batch_sequences == 0 ||
+        o.teacher_topk == 0)
+      throw medusa::invalid_input("train: --eagle-lr, --eagle-epochs, --batch-sequences and --teacher-topk must be positive");
+    if (!(o.eagle_reg >= 0) || !std::isfinite(o.eagle_reg))
+      throw medusa::invalid_input("train: --eagle-reg must be a finite number >= 0, got " + fmt("%g", o.eagle_reg));
+    if (!(o.eagle_noise >= 0) || !std::isfinite(o.eagle_noise))
+      throw medusa::invalid_input("train: --eagle-noise must be a finite number >= 0, got " + fmt("%g", o.eagle_noise));
+    if (!o.init_heads.empty()) throw medusa::invalid_input("train: --recipe eagle trains no heads; --init-heads does not apply");
   }
   std::optional<medusa::head_weights> init_heads;
   if (!o.init_heads.empty()) {
@@ -523,6 +630,15 @@ run_report run_training(const run_options& o, const run_events& ev) {
   // ---- a draft model instead of heads ----------------------------------------------------------
   if (o.what == recipe::draft) {
     train_draft(o, m, data, prompts, *tok, tok_path, cache_dir, work, threads, deadline, rep, ev, log);
+    write_heldout_prompts(work, prompts, *tok, o);
+    rep.total_seconds = seconds_since(t_start);
+    outdir.commit(cache_dir);
+    return rep;
+  }
+
+  // ---- an EAGLE-style feature drafter instead of heads ------------------------------------------
+  if (o.what == recipe::eagle) {
+    train_eagle(o, m, data, prompts, *tok, tok_path, cache_dir, work, threads, deadline, rep, ev, log);
     write_heldout_prompts(work, prompts, *tok, o);
     rep.total_seconds = seconds_since(t_start);
     outdir.commit(cache_dir);

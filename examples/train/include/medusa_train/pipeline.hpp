@@ -17,6 +17,7 @@
 
 #include <medusa_train/distill_cache.hpp>
 #include <medusa_train/draft_distill.hpp>
+#include <medusa_train/eagle_distill.hpp>
 #include <medusa_train/medusa2.hpp>
 #include <medusa_train/selfdistill.hpp>
 #include <medusa_train/trainer.hpp>
@@ -34,6 +35,7 @@ enum class recipe {
   medusa1,  //!< heads on the frozen backbone
   medusa2,  //!< heads, then heads and a LoRA-adapted backbone jointly (docs/training.md)
   draft,    //!< a small draft model distilled from the target (no heads; docs/training.md)
+  eagle,    //!< an EAGLE-style feature drafter: one block on the target's features (docs/training.md)
 };
 
 //! Everything `medusa-train` can be told.
@@ -85,6 +87,12 @@ struct run_options {
   int draft_heads = 4;               //!< attention heads (key/value heads the same)
   double draft_lr = 3e-3;            //!< peak learning rate
   double draft_epochs = 4.0;         //!< passes over the training sequences
+  // EAGLE-style feature drafter (recipe::eagle); one block of the target's shape:
+  int eagle_hidden = 0;              //!< the block's SwiGLU width (0: the target's)
+  double eagle_lr = 1e-3;            //!< peak learning rate
+  double eagle_epochs = 2.0;         //!< passes over the training sequences
+  double eagle_reg = 1.0;            //!< weight of the feature regression (SmoothL1) next to the KL
+  double eagle_noise = 0.1;          //!< input feature noise U(−a, a), a = this × the features' RMS
 };
 
 //! Acceptance of one tree measured with `medusa::decoder` (greedy) against plain decoding.
@@ -121,6 +129,11 @@ struct run_report {
   draft_fit_result draft_fit;          //!< its training
   draft_quality draft_eval;            //!< its held-out agreement and chain acceptance
   std::filesystem::path draft_file;    //!< OUT/draft/model.bin (OUT/draft, a Hugging Face directory, for RoPE on halves)
+  // EAGLE-style feature drafter:
+  eagle_fit_result eagle_fit;          //!< its training
+  eagle_quality eagle_eval;            //!< its held-out agreement and chain acceptance
+  std::filesystem::path eagle_file;    //!< OUT/eagle/model.bin (OUT/eagle, a Hugging Face directory, for RoPE on halves)
+  double feature_rms = 0;              //!< RMS of the target's features (the noise's scale)
   double eval_seconds = 0;             //!< evaluation time
   double total_seconds = 0;            //!< whole run
 };
@@ -132,6 +145,7 @@ struct run_events {
   std::function<void(const fit_progress&)> on_fit;             //!< training progress
   std::function<void(const joint_progress&)> on_joint;         //!< Medusa-2 joint-stage progress
   std::function<void(const draft_progress&)> on_draft;         //!< draft-model training progress
+  std::function<void(const eagle_progress&)> on_eagle;         //!< feature-drafter training progress
   double progress_interval = 0.5;  //!< seconds between progress callbacks (0: after every sequence or step)
 };
 
