@@ -5,7 +5,7 @@
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
 //              [--cost-cache DIR|none] [--calibrate-out F] [--lookup N] [--lookup-ngram MIN:MAX] [--dynamic]
-//              [--draft-model F | --self-draft-layers K] [--draft-tokens N|auto] [--draft-alone]
+//              [--draft-model F | --self-draft-layers K | --eagle DIR] [--draft-tokens N|auto] [--draft-alone]
 //              [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16|int8|q4] [--classifier-weights F] [--head-weights int8|q8_0|q4|bf16|f32]
@@ -53,26 +53,28 @@ int run(run_args a) {
   if ((a.lookup > 0 || a.dynamic) && a.policy == medusa::draft_sampling_policy::name)
     throw usage_error("--policy sampled draws its own drafts: it takes no --lookup or --dynamic");
   const bool drafted = a.drafted();
-  if (!a.draft_model.empty() && a.self_draft_layers != 0)
-    throw usage_error("give one of --draft-model and --self-draft-layers");
+  if (!a.draft_model.empty() + (a.self_draft_layers != 0) + !a.eagle.empty() > 1)
+    throw usage_error("give one of --draft-model, --self-draft-layers and --eagle");
   if (a.self_draft_layers < 0) throw usage_error("--self-draft-layers must be >= 1, got " + std::to_string(a.self_draft_layers));
   if (a.draft_tokens < 1 || a.draft_tokens > 64)
     throw usage_error("--draft-tokens must be in [1, 64], got " + std::to_string(a.draft_tokens));
-  if (a.draft_alone && !drafted) throw usage_error("--draft-alone needs --draft-model or --self-draft-layers");
-  if (a.draft_tokens_auto && (a.draft_model.empty() || batched))
-    throw usage_error("--draft-tokens auto needs --draft-model (with its calibration.json) and one request (not --prompts-file)");
+  if (a.draft_alone && !drafted) throw usage_error("--draft-alone needs --draft-model, --self-draft-layers or --eagle");
+  if (a.draft_tokens_auto && ((a.draft_model.empty() && a.eagle.empty()) || batched))
+    throw usage_error("--draft-tokens auto needs --draft-model or --eagle (with its calibration.json) and one request (not "
+                      "--prompts-file)");
   if (a.draft_tokens_auto) {  // the longest chain it may choose sizes the engines
-    a.draft_chain = medusa_run::draft_chain_calibration(a.draft_model);
+    a.draft_chain = medusa_run::draft_chain_calibration(a.eagle.empty() ? a.draft_model : a.eagle);
     a.draft_tokens = static_cast<int>(a.draft_chain.size());
   }
   if (a.draft_alone && a.dynamic) throw usage_error("--draft-alone drafts no heads' tree: it takes no --dynamic");
-  if (a.policy == medusa::speculative_policy::name && want_medusa && (!drafted || !a.draft_alone || a.lookup > 0))
+  if (a.policy == medusa::speculative_policy::name && want_medusa &&
+      (!drafted || !a.eagle.empty() || !a.draft_alone || a.lookup > 0))
     throw usage_error("--policy speculative samples a draft model's chains and verifies them against the draft's own "
                       "distribution: it needs --draft-model or --self-draft-layers with --draft-alone, no --lookup");
   if (drafted) {
     if (a.policy == medusa::draft_sampling_policy::name)
       throw usage_error("--policy sampled draws its own drafts: it takes no draft model");
-    if (a.device != "cpu") throw usage_error("--draft-model and --self-draft-layers run on the CPU (--device cpu)");
+    if (a.device != "cpu") throw usage_error("--draft-model, --self-draft-layers and --eagle run on the CPU (--device cpu)");
   }
   if (a.device != "cpu" && a.device != "cuda") throw usage_error("--device must be cpu or cuda, got " + a.device);
   const bool cuda = a.device == "cuda";
@@ -170,6 +172,10 @@ int main(int argc, char** argv) {
   app.add_option("--draft-model", a.draft_model,
                  "a draft model (same formats as --model, the target's vocabulary) whose greedy chain of "
                  "--draft-tokens joins each step's tree");
+  app.add_option("--eagle", a.eagle,
+                 "an EAGLE-style feature drafter (the directory medusa-train --recipe eagle writes: model.bin, fc.bin): "
+                 "one layer over the target's own hidden states whose greedy chain of --draft-tokens joins each step's tree")
+      ->check(CLI::ExistingDirectory);
   app.add_option("--self-draft-layers", a.self_draft_layers,
                  "self-speculation: the target's first K layers (then its final norm and classifier) as the draft");
   app.add_option_function<std::string>(

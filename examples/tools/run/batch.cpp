@@ -4,6 +4,7 @@
 #include "run/report.hpp"
 
 #include <medusa_llama/batch_engine.hpp>
+#include <medusa_llama/eagle_engine.hpp>
 
 #include <medusa/draft_sampler.hpp>
 
@@ -81,6 +82,10 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
     set_weight_formats(deo, a, *draft_weights);
     draft_engine.emplace(std::move(*draft_weights), deo);
   }
+  // The feature drafter (--eagle): on the target's threads, one cache per request id.
+  std::optional<medusa_llama::eagle_engine> eagle_engine;
+  if (a.mode != run_mode::vanilla && !a.eagle.empty())
+    eagle_engine.emplace(medusa_llama::eagle_engine::load(a.eagle, eng.config(), {.pool = &eng.pool()}));
   tree_choice choice;
   std::size_t prompt_sum = 0;
   for (const auto& p : prompts) prompt_sum += p.size();
@@ -112,13 +117,18 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
       draft_cost = draft_work(sampler);
     } else {
       std::optional<medusa::draft_model_branch<medusa_llama::batch_engine>> draft;
+      std::optional<medusa::feature_draft_branch<medusa_llama::eagle_engine>> eagle;
       if (draft_engine) draft.emplace(*draft_engine, eng.vocab_size(), medusa::draft_model_options{.max_tokens = a.draft_tokens});
-      const auto drafter = make_drafter(a, *tree, tree->depth(), draft ? draft_source::of(*draft) : draft_source{});
+      if (eagle_engine)
+        eagle.emplace(*eagle_engine, eng.vocab_size(), eng.hidden_size(), medusa::feature_draft_options{.max_tokens = a.draft_tokens});
+      const auto drafter =
+          make_drafter(a, *tree, tree->depth(), draft ? draft_source::of(*draft) : eagle ? draft_source::of(*eagle) : draft_source{});
       reports.push_back(with_tree_source<Policy>(drafter, *tree, [&](const auto& t) {
         medusa::batch_decoder dec(eng, heads, t, policy, *a.batch);
         return serve_all(dec, eng, prompts, dopt, bos, "medusa");
       }));
       if (draft) draft_cost = draft_work(*draft);
+      if (eagle) draft_cost = draft_work(*eagle);
     }
   }
   for (auto& r : reports)

@@ -31,12 +31,13 @@ struct run_args {
   bool dynamic = false;                                  // per-step dynamic trees of the chosen size
   std::string draft_model;                               // a draft model proposing chains (--draft-model)
   int self_draft_layers = 0;                             // the target's first k layers as the draft (0 = off)
+  std::string eagle;                                     // a feature drafter's directory (--eagle)
   int draft_tokens = 4;                                  // the draft's chain length
   bool draft_tokens_auto = false;                        // --draft-tokens auto: chosen from calibration and costs
   std::vector<double> draft_chain;                       // --draft-tokens auto: the draft's calibration (read once)
   bool draft_alone = false;                              // the step's tree is the draft's chain (and lookup) only
-  // Whether a draft model was asked for (--draft-model or --self-draft-layers).
-  [[nodiscard]] bool drafted() const { return !draft_model.empty() || self_draft_layers != 0; }
+  // Whether a drafter with chains was asked for (--draft-model, --self-draft-layers or --eagle).
+  [[nodiscard]] bool drafted() const { return !draft_model.empty() || self_draft_layers != 0 || !eagle.empty(); }
   std::string calibrate_out;                             // write path counts of the greedy outputs here
   std::optional<int> batch;  // requests at once with --prompts-file (default 1)
   run_mode mode = run_mode::medusa;

@@ -129,6 +129,7 @@ nlohmann::json describe_drafts(const run_args& a) {
   if (a.drafted()) {
     j["draft_model"] = a.draft_model.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.draft_model);
     j["self_draft_layers"] = a.self_draft_layers;
+    j["eagle"] = a.eagle.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.eagle);
     j["draft_tokens"] = a.draft_tokens;
     j["draft_alone"] = a.draft_alone;
   }

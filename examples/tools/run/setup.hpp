@@ -6,6 +6,7 @@
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/dispatch/tree.hpp>
 #include <medusa/draft_model.hpp>
+#include <medusa/feature_draft.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/io.hpp>
 #include <medusa/medusa.hpp>
@@ -148,12 +149,14 @@ tree_choice choose_auto_tree(const run_args& a, const auto_inputs& in, Engine& e
   return c;
 }
 
-// A draft model's chains (--draft-model, --self-draft-layers): any `draft_model_branch`, over the
-// single-request engine or the serving engine (--prompts-file), behind one type.
+// A drafter's chains (--draft-model, --self-draft-layers: any `draft_model_branch`; --eagle: a
+// `feature_draft_branch`, which reads the target's features), over the single-request engine or
+// the serving engine (--prompts-file), behind one type.
 struct draft_source {
-  int tokens = 0;  // chain length; 0 = no draft model
+  int tokens = 0;  // chain length; 0 = no drafter
   std::function<int(int, std::span<const std::int32_t>, std::span<std::int32_t>)> find;
   std::function<void(int)> release;
+  std::function<void(int, int, std::span<const float>)> observe;  // set for a feature drafter
 
   template <class Draft>
   static draft_source of(medusa::draft_model_branch<Draft> b) {
@@ -161,7 +164,17 @@ struct draft_source {
             [b](int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) mutable {
               return b.find(request, history, out);
             },
-            [b](int request) mutable { b.release(request); }};
+            [b](int request) mutable { b.release(request); },
+            {}};
+  }
+  template <class Model>
+  static draft_source of(medusa::feature_draft_branch<Model> b) {
+    return {b.max_tokens(),
+            [b](int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) mutable {
+              return b.find(request, history, out);
+            },
+            [b](int request) mutable { b.release(request); },
+            [b](int request, int position, std::span<const float> rows) mutable { b.observe(request, position, rows); }};
   }
 };
 
@@ -184,6 +197,10 @@ struct run_branch {
   }
   void release(int request) {
     if (draft.release) draft.release(request);
+  }
+  [[nodiscard]] bool observes_features() const { return static_cast<bool>(draft.observe); }
+  void observe(int request, int position, std::span<const float> rows) {
+    if (draft.observe) draft.observe(request, position, rows);
   }
 };
 using run_drafter = medusa::basic_step_drafter<run_branch>;

@@ -4,6 +4,7 @@
 #include "run/draft_tokens.hpp"
 #include "run/report.hpp"
 
+#include <medusa_llama/eagle_engine.hpp>
 #include <medusa_llama/engine.hpp>
 
 #include <medusa/draft_model.hpp>
@@ -41,6 +42,10 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
     set_weight_formats(deo, a, *draft_weights);
     draft_engine.emplace(std::move(*draft_weights), deo);
   }
+  // The feature drafter (--eagle): on the target's threads, one cache per request.
+  std::optional<medusa_llama::eagle_engine> eagle_engine;
+  if (want_medusa && !a.eagle.empty())
+    eagle_engine.emplace(medusa_llama::eagle_engine::load(a.eagle, model.config(), {.pool = &model.pool()}));
   tree_choice choice;
   if (auto_tree) {
     choice = choose_auto_tree(a, ain, model, head_w, 1, eo.max_batch, static_cast<int>(prompt.size()) + a.max_new_tokens / 2);
@@ -51,18 +56,23 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   std::optional<medusa_llama::packed_heads> heads;
   std::optional<run_drafter> drafter;
   std::optional<medusa::draft_model_branch<medusa_llama::engine>> draft;
+  std::optional<medusa::feature_draft_branch<medusa_llama::eagle_engine>> eagle;
   int draft_tokens = a.draft_tokens;
   if (want_medusa) {
     heads.emplace(pack_heads(model, head_w, a, tree->depth()));
     nlohmann::json draft_auto;
-    if (draft_engine && a.draft_tokens_auto) {
-      const auto c = choose_draft_tokens(a.draft_chain, model, *draft_engine,
-                                         std::min(static_cast<int>(prompt.size()) + a.max_new_tokens / 2, seq_len / 2));
+    if (a.draft_tokens_auto) {
+      const int context = std::min(static_cast<int>(prompt.size()) + a.max_new_tokens / 2, seq_len / 2);
+      const auto c = eagle_engine
+                         ? choose_draft_tokens_for(a.draft_chain, model, measure_feature_pass(*eagle_engine, context), context)
+                         : choose_draft_tokens(a.draft_chain, model, *draft_engine, context);
       draft_tokens = c.tokens;
       draft_auto = c.info;
     }
     if (draft_engine) draft.emplace(*draft_engine, model.vocab_size(), medusa::draft_model_options{.max_tokens = draft_tokens});
-    drafter = make_drafter(a, *tree, tree->depth(), draft ? draft_source::of(*draft) : draft_source{});
+    if (eagle_engine)
+      eagle.emplace(*eagle_engine, model.vocab_size(), model.hidden_size(), medusa::feature_draft_options{.max_tokens = draft_tokens});
+    drafter = make_drafter(a, *tree, tree->depth(), draft ? draft_source::of(*draft) : eagle ? draft_source::of(*eagle) : draft_source{});
     choice.info["drafts"] = describe_drafts(a);
     if (!draft_auto.is_null()) {
       choice.info["drafts"]["draft_tokens"] = draft_tokens;
@@ -109,6 +119,10 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
         if (draft) {  // the draft's work over the request
           choice.info["drafts"].update(draft_work(*draft, r.result.stats.seconds.total));
           draft->release(0);
+        }
+        if (eagle) {
+          choice.info["drafts"].update(draft_work(*eagle, r.result.stats.seconds.total));
+          eagle->release(0);
         }
         r.tree = choice.info;
       }
