@@ -14,7 +14,7 @@
 //! @code
 //! auto features = medusa_train::feature_table::compute(target_as_lora, seqs, threads);
 //! medusa_train::eagle_model em(target, 0, seed);
-//! auto r = medusa_train::fit_eagle(em, seqs, features, teacher, {.lr = 1e-3, .epochs = 2});
+//! auto r = medusa_train::fit_eagle(em, seqs, features, teacher, {.lr = 2e-3, .epochs = 4});
 //! auto q = medusa_train::measure_eagle(em, seqs, features, teacher, threads);
 //! @endcode
 #pragma once
@@ -67,8 +67,8 @@ struct eagle_progress {
 
 //! Options of `fit_eagle`.
 struct eagle_fit_options {
-  double lr = 1e-3;                 //!< peak learning rate
-  double epochs = 2.0;              //!< passes over the training sequences
+  double lr = 2e-3;                 //!< peak learning rate
+  double epochs = 4.0;              //!< passes over the training sequences
   double reg = 1.0;                 //!< weight of the feature regression
   double noise = 0.0;               //!< feature input noise: U(−noise, noise), absolute
   std::size_t batch_sequences = 8;  //!< sequences per optimiser step

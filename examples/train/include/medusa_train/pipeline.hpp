@@ -89,8 +89,8 @@ struct run_options {
   double draft_epochs = 4.0;         //!< passes over the training sequences
   // EAGLE-style feature drafter (recipe::eagle); one block of the target's shape:
   int eagle_hidden = 0;              //!< the block's SwiGLU width (0: the target's)
-  double eagle_lr = 1e-3;            //!< peak learning rate
-  double eagle_epochs = 2.0;         //!< passes over the training sequences
+  double eagle_lr = 2e-3;            //!< peak learning rate
+  double eagle_epochs = 4.0;         //!< passes over the training sequences
   double eagle_reg = 1.0;            //!< weight of the feature regression (SmoothL1) next to the KL
   double eagle_noise = 0.1;          //!< input feature noise U(−a, a), a = this × the features' RMS
 };
