@@ -1,0 +1,203 @@
+// SPDX-License-Identifier: Apache-2.0
+// A trained feature drafter decodes as it was trained: `medusa_llama::eagle_engine` over what
+// `eagle_model` writes (`to_model()`, fc.bin) gives the trainer's logits and predicted features,
+// whether the rows run in one pass, in chunks, or as a catch-up after kept slots; a drafted row
+// after overwritten slots equals the trainer's `extend`; requests keep their own caches; the
+// projection file round-trips, and damaged ones are refused with errors that name the problem.
+#include <medusa_train/dense_model.hpp>
+#include <medusa_train/eagle_model.hpp>
+
+#include <medusa_llama/eagle_engine.hpp>
+#include <medusa_llama/errors.hpp>
+
+#include <doctest/doctest.h>
+
+#include "stack_helpers.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+using namespace medusa_train;
+
+namespace {
+
+constexpr int vocab = 61, dim = 32;
+
+medusa_llama::model random_target(medusa_llama::rope_style rope) {
+  medusa_llama::model_config c;
+  c.dim = dim;
+  c.hidden_dim = 48;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.vocab_size = vocab;
+  c.seq_len = 96;
+  c.rope = rope;
+  return dense_model(c, 3).to_model();
+}
+
+// A drafter whose every weight is random (not the identity-like start), so that a wrong input
+// layout or a missing projection shows.
+eagle_model random_drafter(const medusa_llama::model& target) {
+  eagle_model em(target, 40, 9);
+  std::mt19937 rng(4);
+  std::normal_distribution<float> n(0.0f, 0.15f);
+  for (float& w : em.params()) w += n(rng);
+  return em;
+}
+
+std::vector<float> random_rows(std::size_t rows, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.2f, 1.2f);
+  std::vector<float> f(rows * dim);
+  for (float& x : f) x = u(rng);
+  return f;
+}
+
+double max_rel(std::span<const float> a, std::span<const float> b) {
+  REQUIRE(a.size() == b.size());
+  double scale = 1e-6, diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    scale = std::max(scale, static_cast<double>(std::abs(b[i])));
+    diff = std::max(diff, static_cast<double>(std::abs(a[i] - b[i])));
+  }
+  return diff / scale;
+}
+
+struct pass_out {
+  std::vector<float> logits = std::vector<float>(vocab), hidden = std::vector<float>(dim);
+};
+
+// Rows [r0, r1) of (tokens, features) at positions r0… after r0 kept slots of `request`.
+pass_out run_rows(medusa_llama::eagle_engine& e, int request, const std::vector<std::int32_t>& tokens, const std::vector<float>& f,
+                  int r0, int r1) {
+  std::vector<std::int32_t> pos;
+  for (int i = r0; i < r1; ++i) pos.push_back(i);
+  pass_out o;
+  medusa::feature_batch b;
+  b.request = request;
+  b.tokens = std::span<const std::int32_t>(tokens).subspan(static_cast<std::size_t>(r0), static_cast<std::size_t>(r1 - r0));
+  b.features = std::span<const float>(f).subspan(static_cast<std::size_t>(r0) * dim, static_cast<std::size_t>(r1 - r0) * dim);
+  b.positions = pos;
+  b.cache_length = r0;
+  b.logits = o.logits;
+  b.hidden = o.hidden;
+  e.forward(b);
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("eagle_engine computes what eagle_model trained: one pass, chunks, catch-up, drafted rows, requests") {
+  for (const auto rope : {medusa_llama::rope_style::adjacent_pairs, medusa_llama::rope_style::split_halves}) {
+    CAPTURE(static_cast<int>(rope));
+    const auto target = random_target(rope);
+    const eagle_model em = random_drafter(target);
+    const int m = 23;
+    const auto tokens = stack_test::random_tokens(static_cast<std::size_t>(m), vocab, 5);
+    const auto f = random_rows(static_cast<std::size_t>(m), 6);
+    eagle_state st;
+    em.forward(tokens, f.data(), st);
+    std::vector<float> z(static_cast<std::size_t>(m) * vocab);
+    em.logits(st, 0, static_cast<std::size_t>(m), z.data());
+    auto last_logits = std::span<const float>(z).subspan(static_cast<std::size_t>(m - 1) * vocab, vocab);
+    auto last_g = std::span<const float>(st.stack.hidden).subspan(static_cast<std::size_t>(m - 1) * dim, dim);
+
+    std::vector<float> fc(em.fc().begin(), em.fc().end());
+    medusa_llama::eagle_engine e(em.to_model(), fc, {.threads = 2, .max_rows = 8});  // 23 rows: three chunks
+    CHECK(e.vocab_size() == vocab);
+    CHECK(e.hidden_size() == dim);
+    const pass_out whole = run_rows(e, 0, tokens, f, 0, m);
+    CHECK(max_rel(whole.logits, last_logits) < 1e-4);
+    CHECK(max_rel(whole.hidden, last_g) < 1e-4);
+
+    // A second request, as a catch-up after 15 kept slots; the first request's cache is untouched.
+    run_rows(e, 7, tokens, f, 0, 15);
+    const pass_out caught_up = run_rows(e, 7, tokens, f, 15, m);
+    CHECK(max_rel(caught_up.logits, last_logits) < 1e-4);
+    CHECK(e.requests() == 2);
+
+    // Drafting: predicted rows overwrite slots past 15; then a row at 15 with the real inputs
+    // equals the trainer's row 15, and a drafted row after all m equals `extend`.
+    const auto junk_f = random_rows(static_cast<std::size_t>(m), 8);
+    const std::vector<std::int32_t> junk(static_cast<std::size_t>(m), 3);
+    for (int i = 15; i < 18; ++i) run_rows(e, 0, junk, junk_f, i, i + 1);
+    const pass_out redo = run_rows(e, 0, tokens, f, 15, 16);
+    CHECK(max_rel(redo.logits, std::span<const float>(z).subspan(15 * vocab, vocab)) < 1e-4);
+    run_rows(e, 0, tokens, f, 16, m);
+    eagle_chain chain{eagle_model::keys(st), eagle_model::values(st), {}, {}};
+    std::vector<float> g(dim), zl(vocab);
+    em.extend(chain, 11, last_g.data(), g.data(), zl.data());
+    std::vector<std::int32_t> next(static_cast<std::size_t>(m) + 1, 11);
+    std::vector<float> next_f(static_cast<std::size_t>(m + 1) * dim);
+    std::copy(last_g.begin(), last_g.end(), next_f.begin() + static_cast<std::ptrdiff_t>(m) * dim);
+    const pass_out drafted = run_rows(e, 0, next, next_f, m, m + 1);
+    CHECK(max_rel(drafted.logits, zl) < 1e-4);
+    CHECK(max_rel(drafted.hidden, g) < 1e-4);
+    e.release(0);
+    e.release(7);
+    CHECK(e.requests() == 0);
+  }
+}
+
+TEST_CASE("eagle_engine refuses bad shapes and arguments, and fc.bin files that are damaged") {
+  const auto target = random_target(medusa_llama::rope_style::adjacent_pairs);
+  const eagle_model em = random_drafter(target);
+  const auto dir = std::filesystem::temp_directory_path() / ("medusa-eagle-engine-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  em.to_model().save_llama2c(dir / "model.bin");
+  em.save_fc(dir / medusa_llama::eagle_fc_file);
+  auto e = medusa_llama::eagle_engine::load(dir, target.config(), {.threads = 1});
+  const std::vector<float> fc = medusa_llama::load_eagle_fc(dir / medusa_llama::eagle_fc_file, dim);
+  CHECK(std::equal(fc.begin(), fc.end(), em.fc().begin(), em.fc().end()));
+
+  auto other = target.config();
+  other.dim = 48;
+  CHECK_THROWS_WITH_AS(medusa_llama::eagle_engine::load(dir, other), doctest::Contains("target width 48"), medusa_llama::load_error);
+  CHECK_THROWS_AS(medusa_llama::eagle_engine(target, fc), medusa_llama::engine_error);  // two layers
+  CHECK_THROWS_AS(medusa_llama::eagle_engine(em.to_model(), std::vector<float>(10)), medusa_llama::engine_error);
+
+  const auto tokens = stack_test::random_tokens(4, vocab, 1);
+  const auto f = random_rows(4, 2);
+  CHECK_THROWS_AS(run_rows(e, 0, std::vector<std::int32_t>{1, 2, vocab, 3}, f, 0, 4), medusa_llama::engine_error);
+  CHECK_THROWS_AS(run_rows(e, 0, tokens, f, 94, 98), std::exception);  // past the context
+  medusa::feature_batch short_features;
+  std::vector<std::int32_t> pos = {0};
+  short_features.tokens = std::span<const std::int32_t>(tokens).first(1);
+  short_features.features = std::span<const float>(f).first(dim - 1);
+  short_features.positions = pos;
+  CHECK_THROWS_WITH_AS(e.forward(short_features), doctest::Contains("feature values"), medusa_llama::engine_error);
+
+  auto bytes = [&] {
+    std::ifstream in(dir / medusa_llama::eagle_fc_file, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  auto write = [&](const std::string& s) {
+    std::ofstream(dir / "bad.bin", std::ios::binary) << s;
+    return dir / "bad.bin";
+  };
+  auto code_of = [&](const std::string& s) {
+    try {
+      (void)medusa_llama::load_eagle_fc(write(s), dim);
+    } catch (const medusa_llama::load_error& err) {
+      return err.code();
+    }
+    FAIL("a damaged file loaded");
+    return medusa_llama::load_errc::open_failed;
+  };
+  CHECK(code_of(bytes.substr(0, 12)) == medusa_llama::load_errc::truncated);
+  CHECK(code_of(bytes.substr(0, bytes.size() - 4)) == medusa_llama::load_errc::truncated);
+  CHECK(code_of(bytes + "xxxx") == medusa_llama::load_errc::size_mismatch);
+  CHECK(code_of("NOTMAGIC" + bytes.substr(8)) == medusa_llama::load_errc::bad_header);
+  CHECK_THROWS_WITH_AS((void)medusa_llama::load_eagle_fc(dir / medusa_llama::eagle_fc_file, 48), doctest::Contains("48"),
+                       medusa_llama::load_error);
+  std::filesystem::remove_all(dir);
+}
