@@ -3,12 +3,18 @@
 // `eagle_model` writes (`to_model()`, fc.bin) gives the trainer's logits and predicted features,
 // whether the rows run in one pass, in chunks, or as a catch-up after kept slots; a drafted row
 // after overwritten slots equals the trainer's `extend`; requests keep their own caches; the
-// projection file round-trips, and damaged ones are refused with errors that name the problem.
+// projection file round-trips, and damaged ones are refused with errors that name the problem; the
+// snippet of docs/decoder.md decodes on the example engine exactly as plain greedy decoding.
 #include <medusa_train/dense_model.hpp>
 #include <medusa_train/eagle_model.hpp>
 
 #include <medusa_llama/eagle_engine.hpp>
+#include <medusa_llama/engine.hpp>
 #include <medusa_llama/errors.hpp>
+
+#include <medusa/decoder.hpp>
+#include <medusa/drafts.hpp>
+#include <medusa/feature_draft.hpp>
 
 #include <doctest/doctest.h>
 
@@ -199,5 +205,33 @@ TEST_CASE("eagle_engine refuses bad shapes and arguments, and fc.bin files that 
   CHECK(code_of("NOTMAGIC" + bytes.substr(8)) == medusa_llama::load_errc::bad_header);
   CHECK_THROWS_WITH_AS((void)medusa_llama::load_eagle_fc(dir / medusa_llama::eagle_fc_file, 48), doctest::Contains("48"),
                        medusa_llama::load_error);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("docs/decoder.md: the feature drafter's snippet decodes on the example engine exactly as plain greedy") {
+  const auto target_weights = random_target(medusa_llama::rope_style::adjacent_pairs);
+  const eagle_model em = random_drafter(target_weights);
+  const auto dir = std::filesystem::temp_directory_path() / ("medusa-eagle-docs-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "eagle");
+  em.to_model().save_llama2c(dir / "eagle" / "model.bin");
+  em.save_fc(dir / "eagle" / medusa_llama::eagle_fc_file);
+  medusa_llama::engine target(target_weights, {.threads = 2});
+  const std::vector<std::int32_t> prompt = {1, 7, 30, 2, 9};
+  medusa::decode_options opt;
+  opt.max_new_tokens = 60;
+  const auto plain = medusa::generate_vanilla(target, prompt, medusa::greedy_policy{}, opt);
+  const auto out_dir = dir / "eagle";
+  // --- docs/decoder.md, "A feature drafter (EAGLE-style)" ---
+  medusa_llama::eagle_engine eagle_model = medusa_llama::eagle_engine::load(out_dir, target.config(),
+                                                                            {.pool = &target.pool()});
+  medusa::feature_draft_branch<medusa_llama::eagle_engine> eagle(eagle_model, target.vocab_size(),
+                                                                 target.hidden_size(), {.max_tokens = 5});
+  medusa::basic_step_drafter<medusa::feature_draft_branch<medusa_llama::eagle_engine>> drafts({.lookup = eagle}, 1);
+  medusa::no_heads none;
+  medusa::decoder dec(target, none, drafts, medusa::greedy_policy{});
+  // ---
+  const auto r = dec.generate(prompt, opt);
+  CHECK(r.tokens == plain.tokens);
+  CHECK(eagle.tokens_run() >= static_cast<std::int64_t>(prompt.size()));  // the prompt was caught up
   std::filesystem::remove_all(dir);
 }
