@@ -4,8 +4,7 @@
 // the target's distribution exactly (chi-square on the first two generated tokens through the
 // decoder, a draft unlike the target and the target as its own draft, several warps); the test
 // catches a biased variant; T = 0 is greedy decoding; the rows are the distributions drawn from.
-#include "stats_common.hpp"
-#include "tiny_transformer.hpp"
+#include "sampled_chains.hpp"
 
 #include <medusa/decoder.hpp>
 #include <medusa/draft_sampler.hpp>
@@ -19,28 +18,13 @@
 
 namespace {
 
-using stats::chi2_result;
-using stats::chi2_test;
+using sampled_chains::last_logits;
+using sampled_chains::trials;
 using stats::reference_warp;
 using tiny::tiny_model;
 
 constexpr int V = tiny_model::vocab;
 const std::vector<std::int32_t> prompt = {1, 5, 9, 13};
-
-// The target's logits after `context` (one causal pass from slot 0).
-std::vector<float> last_logits(tiny_model& m, const std::vector<std::int32_t>& context) {
-  std::vector<std::int32_t> pos(context.size());
-  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int32_t>(i);
-  std::vector<float> logits(context.size() * V), hidden(context.size() * tiny_model::dim);
-  medusa::forward_batch b;
-  b.tokens = context;
-  b.positions = pos;
-  b.cache_length = 0;
-  b.logits = logits;
-  b.hidden = hidden;
-  m.forward(b);
-  return {logits.end() - V, logits.end()};
-}
 
 // A sampler whose rows claim a hotter distribution than the one drawn from: biased.
 template <class Draft>
@@ -64,51 +48,11 @@ struct claims_hotter {
   std::span<const float> draft_probs(int) const { return hot; }
 };
 
-struct result {
-  chi2_result first, first_two;
-  double per_step = 0;
-};
-
-// The first two tokens of `trials` generations (seed = trial) against the exact warped target. The
-// first is drawn from the prefill's logits; the second comes from the first step's chain.
+// The first two tokens through the decoder, after this file's prompt.
 template <class Drafts>
-result first_two(tiny_model& target, const Drafts& drafts, const medusa::sampling_warp& warp, int trials) {
-  auto q1 = reference_warp(last_logits(target, prompt).data(), V, warp.temperature, warp.top_k, warp.top_p);
-  std::vector<double> p12(V * V);
-  for (int a = 0; a < V; ++a) {
-    if (q1[static_cast<std::size_t>(a)] == 0.0) continue;
-    auto ctx = prompt;
-    ctx.push_back(a);
-    const auto q2 = reference_warp(last_logits(target, ctx).data(), V, warp.temperature, warp.top_k, warp.top_p);
-    for (int b = 0; b < V; ++b) p12[static_cast<std::size_t>(a * V + b)] = q1[static_cast<std::size_t>(a)] * q2[static_cast<std::size_t>(b)];
-  }
-  medusa::no_heads heads;
-  medusa::decoder dec(target, heads, drafts, medusa::speculative_policy{warp});
-  std::vector<long> o1(V), o12(V * V);
-  double steps = 0, tokens = 0;
-  medusa::decode_options opt;
-  opt.max_new_tokens = 3;
-  for (int i = 0; i < trials; ++i) {
-    opt.seed = static_cast<std::uint64_t>(i);
-    const auto r = dec.generate(prompt, opt);
-    REQUIRE(r.tokens.size() >= 2);
-    ++o1[static_cast<std::size_t>(r.tokens[0])];
-    ++o12[static_cast<std::size_t>(r.tokens[0] * V + r.tokens[1])];
-    steps += r.stats.steps;
-    tokens += r.stats.new_tokens;
-  }
-  result res;
-  res.first = chi2_test(q1, o1, trials);
-  res.first_two = chi2_test(p12, o12, trials);
-  res.per_step = tokens / steps;
-  return res;
+sampled_chains::result first_two(tiny_model& target, const Drafts& drafts, const medusa::sampling_warp& warp, int n) {
+  return sampled_chains::first_two(target, prompt, drafts, warp, n);
 }
-
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr int trials = 6000;
-#else
-constexpr int trials = 30000;
-#endif
 
 }  // namespace
 

@@ -5,10 +5,14 @@
 // predicts the target exactly gets every draft accepted; any drafter decodes exactly as plain greedy
 // decoding, alone or beside the heads' tree, for one request or a batch whose requests keep their
 // own drafter caches (freed when they leave); the catch-up runs each position about once; bad
-// shapes and out-of-order features are refused with errors that name them.
+// shapes and out-of-order features are refused with errors that name them. Chains sampled from a
+// feature drafter's own distribution (`feature_draft_sampler`) and verified against their rows keep
+// the target's distribution (chi-square), the oracle's every draft accepted; T = 0 is greedy.
+#include "sampled_chains.hpp"
 #include "tiny_transformer.hpp"
 
 #include <medusa/decoder.hpp>
+#include <medusa/draft_sampler.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/feature_draft.hpp>
 
@@ -262,4 +266,37 @@ TEST_CASE("a feature drafter refuses another shape, features out of order and dr
   CHECK_THROWS_AS(b.find(0, four, out), medusa::invalid_input);
   const std::vector<std::int32_t> ok = {1, 2, 3, 4};
   CHECK(b.find(0, ok, out) == 4);
+}
+
+TEST_CASE("sampled feature-drafter chains keep the target's distribution; T = 0 is greedy decoding") {
+  tiny_model target(capacity);
+  const medusa::sampling_warp warps[] = {{.temperature = 1.0f}, {.temperature = 0.7f, .top_p = 0.9f}};
+  for (const auto& w : warps)
+    for (const bool oracle_kind : {false, true}) {
+      oracle_drafter oracle;
+      random_drafter rnd(7);
+      auto check = [&](auto& model) {
+        const medusa::feature_draft_sampler<std::remove_reference_t<decltype(model)>> drafts(model, V, D, {.max_tokens = 3, .warp = w});
+        const auto r = sampled_chains::first_two(target, prompt, drafts, w, sampled_chains::trials / 3);
+        INFO("T=" << w.temperature << " top_p=" << w.top_p << std::string(oracle_kind ? " (oracle)" : " (random drafter)"));
+        MESSAGE("T=" << w.temperature << " top_p=" << w.top_p << std::string(oracle_kind ? " (oracle)" : " (random drafter)")
+                     << ": chi2(first two)=" << r.first_two.stat << "/" << r.first_two.dof << " p=" << r.first_two.p
+                     << ", tokens/step=" << r.per_step);
+        CHECK(!r.first_two.impossible);
+        CHECK(r.first.p > 0.001);
+        CHECK(r.first_two.p > 0.001);
+        if (oracle_kind) CHECK(r.per_step > 2.9);  // q = p: every draft accepted (3 tokens, the limit)
+        else CHECK(r.per_step > 1.01);
+      };
+      if (oracle_kind) check(oracle);
+      else check(rnd);
+    }
+  random_drafter rnd(8);
+  const auto opt = tokens(60);
+  const auto plain = medusa::generate_vanilla(target, prompt, medusa::greedy_policy{}, opt);
+  const medusa::feature_draft_sampler<random_drafter> drafts(rnd, V, D, {.max_tokens = 4, .warp = {.temperature = 0.0f}});
+  medusa::no_heads none;
+  medusa::decoder dec(target, none, drafts, medusa::speculative_policy{{.temperature = 0.0f}});
+  CHECK(dec.generate(prompt, opt).tokens == plain.tokens);
+  CHECK_THROWS_AS(medusa::feature_draft_sampler<random_drafter>(rnd, V, D + 1, {}), medusa::invalid_input);
 }

@@ -1,0 +1,84 @@
+// SPDX-License-Identifier: Apache-2.0
+// The distribution test of the sampled-chain drafters (test_draft_sampler, test_feature_draft):
+// the first two tokens of many seeded generations through the decoder with `speculative_policy`,
+// against the exact warped target.
+#pragma once
+
+#include "stats_common.hpp"
+#include "tiny_transformer.hpp"
+
+#include <medusa/decoder.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace sampled_chains {
+
+// The target's logits after `context` (one causal pass from slot 0).
+inline std::vector<float> last_logits(tiny::tiny_model& m, const std::vector<std::int32_t>& context) {
+  constexpr int V = tiny::tiny_model::vocab;
+  std::vector<std::int32_t> pos(context.size());
+  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int32_t>(i);
+  std::vector<float> logits(context.size() * V), hidden(context.size() * tiny::tiny_model::dim);
+  medusa::forward_batch b;
+  b.tokens = context;
+  b.positions = pos;
+  b.cache_length = 0;
+  b.logits = logits;
+  b.hidden = hidden;
+  m.forward(b);
+  return {logits.end() - V, logits.end()};
+}
+
+struct result {
+  stats::chi2_result first, first_two;
+  double per_step = 0;
+};
+
+// The first two tokens of `trials` generations after `prompt` (seed = trial) against the exact
+// warped target. The first is drawn from the prefill's logits; the second comes from the first
+// step's chain.
+template <class Drafts>
+result first_two(tiny::tiny_model& target, const std::vector<std::int32_t>& prompt, const Drafts& drafts,
+                 const medusa::sampling_warp& warp, int trials) {
+  constexpr int V = tiny::tiny_model::vocab;
+  auto q1 = stats::reference_warp(last_logits(target, prompt).data(), V, warp.temperature, warp.top_k, warp.top_p);
+  std::vector<double> p12(V * V);
+  for (int a = 0; a < V; ++a) {
+    if (q1[static_cast<std::size_t>(a)] == 0.0) continue;
+    auto ctx = prompt;
+    ctx.push_back(a);
+    const auto q2 = stats::reference_warp(last_logits(target, ctx).data(), V, warp.temperature, warp.top_k, warp.top_p);
+    for (int b = 0; b < V; ++b) p12[static_cast<std::size_t>(a * V + b)] = q1[static_cast<std::size_t>(a)] * q2[static_cast<std::size_t>(b)];
+  }
+  medusa::no_heads heads;
+  medusa::decoder dec(target, heads, drafts, medusa::speculative_policy{warp});
+  std::vector<long> o1(V), o12(V * V);
+  double steps = 0, tokens = 0;
+  medusa::decode_options opt;
+  opt.max_new_tokens = 3;
+  for (int i = 0; i < trials; ++i) {
+    opt.seed = static_cast<std::uint64_t>(i);
+    const auto r = dec.generate(prompt, opt);
+    REQUIRE(r.tokens.size() >= 2);
+    ++o1[static_cast<std::size_t>(r.tokens[0])];
+    ++o12[static_cast<std::size_t>(r.tokens[0] * V + r.tokens[1])];
+    steps += r.stats.steps;
+    tokens += r.stats.new_tokens;
+  }
+  result res;
+  res.first = stats::chi2_test(q1, o1, trials);
+  res.first_two = stats::chi2_test(p12, o12, trials);
+  res.per_step = tokens / steps;
+  return res;
+}
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr int trials = 6000;
+#else
+inline constexpr int trials = 30000;
+#endif
+
+}  // namespace sampled_chains
