@@ -67,10 +67,9 @@ int run(run_args a) {
     a.draft_tokens = static_cast<int>(a.draft_chain.size());
   }
   if (a.draft_alone && a.dynamic) throw usage_error("--draft-alone drafts no heads' tree: it takes no --dynamic");
-  if (a.policy == medusa::speculative_policy::name && want_medusa &&
-      (!drafted || !a.eagle.empty() || !a.draft_alone || a.lookup > 0))
-    throw usage_error("--policy speculative samples a draft model's chains and verifies them against the draft's own "
-                      "distribution: it needs --draft-model or --self-draft-layers with --draft-alone, no --lookup");
+  if (a.policy == medusa::speculative_policy::name && want_medusa && (!drafted || !a.draft_alone || a.lookup > 0))
+    throw usage_error("--policy speculative samples a drafter's chains and verifies them against the drafter's own "
+                      "distribution: it needs --draft-model, --self-draft-layers or --eagle with --draft-alone, no --lookup");
   if (drafted) {
     if (a.policy == medusa::draft_sampling_policy::name)
       throw usage_error("--policy sampled draws its own drafts: it takes no draft model");

@@ -3,7 +3,9 @@
 # medusa-run --eagle with a feature drafter medusa-train --recipe eagle wrote for stories260K: its
 # chains alone (fixed length and auto), with a prompt lookup, beside the heads' tree, and for a
 # batch of requests, every request's tokens equal to plain greedy decoding and the drafter ran;
-# a drafter for another width and --policy speculative are refused with errors that say why.
+# --policy speculative samples its chains (every token asked for, at T = 0 the greedy tokens); a
+# drafter for another width and speculative sampling beside a lookup are refused with errors that
+# say why.
 # Usage: medusa_run_eagle.sh TRAIN_TOOL RUN_TOOL SHARED_DIR SCRATCH_DIR
 set -u
 train=$1 run=$2 shared=$3 scratch=$4
@@ -63,7 +65,25 @@ assert d["eagle"] and d["draft_tokens_run"] > 0, d
 print("batch of 2 over 5 requests: tokens identical to plain, the drafter ran %d rows" % d["draft_tokens_run"])
 '; then echo "FAIL [batch]: exit $rc"; cat "$dir/run.err"; fail=1; fi
 
-# Refusals: a drafter for another target width, and speculative sampling (a draft model's).
+# Speculative sampling from the drafter's own distribution: T = 0 is greedy decoding, T = 0.8 gives
+# every token asked for.
+for temp in 0 0.8; do
+  out=$("$run" "${common[@]}" --draft-alone --draft-tokens 3 --policy speculative --temperature $temp --seed 3 \
+        --prompt "Once upon a time" 2>"$dir/run.err")
+  rc=$?
+  if ! printf '%s\n' "$out" | python3 -c '
+import json, sys
+rows = [json.loads(l) for l in sys.stdin if l.startswith("{")]
+plain = [r for r in rows if r["mode"] == "vanilla"][0]
+med = [r for r in rows if r["mode"] == "medusa"][0]
+d = med["tree"]["drafts"]
+assert len(med["tokens"]) == 64 and d.get("sampled") is True and d["draft_tokens_run"] > 0, (med, d)
+if float(sys.argv[1]) == 0: assert med["tokens"] == plain["tokens"], "T = 0 differs from greedy"
+print("--policy speculative --temperature %s: %d tokens, %.2f per step" % (sys.argv[1], len(med["tokens"]), med["mean_accepted"]))
+' "$temp"; then echo "FAIL [speculative T=$temp]: exit $rc"; cat "$dir/run.err"; fail=1; fi
+done
+
+# Refusals: a drafter for another target width, and speculative sampling beside a lookup.
 tiny="$shared/models/tinystories-656K"
 "$run" --model "$tiny" --heads random:4 --eagle "$eagle" --draft-alone --prompt "Once" --max-new-tokens 8 --threads 1 \
   > /dev/null 2>"$dir/err1.txt"
@@ -71,9 +91,9 @@ rc=$?
 if [ $rc -eq 0 ] || ! grep -q "feature drafter has width" "$dir/err1.txt"; then
   echo "FAIL: a drafter of another width: exit $rc"; cat "$dir/err1.txt"; fail=1
 else echo "another width refused: $(head -c 200 "$dir/err1.txt")"; fi
-"$run" "${common[@]}" --draft-alone --policy speculative --prompt "Once" > /dev/null 2>"$dir/err2.txt"
+"$run" "${common[@]}" --draft-alone --policy speculative --lookup 4 --prompt "Once" > /dev/null 2>"$dir/err2.txt"
 rc=$?
 if [ $rc -eq 0 ] || ! grep -q "policy speculative" "$dir/err2.txt"; then
-  echo "FAIL: --policy speculative with --eagle: exit $rc"; cat "$dir/err2.txt"; fail=1
+  echo "FAIL: --policy speculative with --eagle and --lookup: exit $rc"; cat "$dir/err2.txt"; fail=1
 else echo "--policy speculative refused: $(head -c 200 "$dir/err2.txt")"; fi
 exit $fail

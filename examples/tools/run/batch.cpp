@@ -109,12 +109,16 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   if (a.mode != run_mode::vanilla) {
     auto heads = pack_heads(eng, head_w, a, tree->depth());
     if constexpr (std::is_same_v<Policy, medusa::speculative_policy>) {
-      // Each request's chains sampled from the draft's distribution, verified against it.
-      const medusa::draft_model_sampler<medusa_llama::batch_engine> sampler(
-          *draft_engine, eng.vocab_size(), medusa::draft_sampler_options{.max_tokens = a.draft_tokens, .warp = policy});
-      medusa::batch_decoder dec(eng, heads, sampler, policy, *a.batch);
-      reports.push_back(serve_all(dec, eng, prompts, dopt, bos, "medusa"));
-      draft_cost = draft_work(sampler);
+      // Each request's chains sampled from the drafter's distribution, verified against it.
+      const medusa::draft_sampler_options so{.max_tokens = a.draft_tokens, .warp = policy};
+      auto sampled = [&](const auto& sampler) {
+        medusa::batch_decoder dec(eng, heads, sampler, policy, *a.batch);
+        reports.push_back(serve_all(dec, eng, prompts, dopt, bos, "medusa"));
+        draft_cost = draft_work(sampler);
+      };
+      if (eagle_engine)
+        sampled(medusa::feature_draft_sampler<medusa_llama::eagle_engine>(*eagle_engine, eng.vocab_size(), eng.hidden_size(), so));
+      else sampled(medusa::draft_model_sampler<medusa_llama::batch_engine>(*draft_engine, eng.vocab_size(), so));
     } else {
       std::optional<medusa::draft_model_branch<medusa_llama::batch_engine>> draft;
       std::optional<medusa::feature_draft_branch<medusa_llama::eagle_engine>> eagle;

@@ -102,12 +102,16 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
       if (mode == "vanilla") {
         r.result = medusa::generate_vanilla(model, prompt, policy, dopt, on_token);
       } else if constexpr (std::is_same_v<decltype(policy), medusa::speculative_policy>) {
-        // Chains sampled from the draft's own distribution, verified against it.
-        const medusa::draft_model_sampler<medusa_llama::engine> sampler(
-            *draft_engine, model.vocab_size(), medusa::draft_sampler_options{.max_tokens = draft_tokens, .warp = policy});
-        medusa::decoder dec(model, *heads, sampler, policy);
-        r.result = dec.generate(prompt, dopt, on_token);
-        choice.info["drafts"].update(draft_work(sampler, r.result.stats.seconds.total));
+        // Chains sampled from the drafter's own distribution, verified against it.
+        const medusa::draft_sampler_options so{.max_tokens = draft_tokens, .warp = policy};
+        auto sampled = [&](const auto& sampler) {
+          medusa::decoder dec(model, *heads, sampler, policy);
+          r.result = dec.generate(prompt, dopt, on_token);
+          choice.info["drafts"].update(draft_work(sampler, r.result.stats.seconds.total));
+        };
+        if (eagle_engine)
+          sampled(medusa::feature_draft_sampler<medusa_llama::eagle_engine>(*eagle_engine, model.vocab_size(), model.hidden_size(), so));
+        else sampled(medusa::draft_model_sampler<medusa_llama::engine>(*draft_engine, model.vocab_size(), so));
         choice.info["drafts"]["sampled"] = true;
         r.tree = choice.info;
       } else {
