@@ -18,18 +18,8 @@ namespace sampled_chains {
 
 // The target's logits after `context` (one causal pass from slot 0).
 inline std::vector<float> last_logits(tiny::tiny_model& m, const std::vector<std::int32_t>& context) {
-  constexpr int V = tiny::tiny_model::vocab;
-  std::vector<std::int32_t> pos(context.size());
-  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int32_t>(i);
-  std::vector<float> logits(context.size() * V), hidden(context.size() * tiny::tiny_model::dim);
-  medusa::forward_batch b;
-  b.tokens = context;
-  b.positions = pos;
-  b.cache_length = 0;
-  b.logits = logits;
-  b.hidden = hidden;
-  m.forward(b);
-  return {logits.end() - V, logits.end()};
+  const auto logits = tiny::outputs_of(m, context).logits;
+  return {logits.end() - tiny::tiny_model::vocab, logits.end()};
 }
 
 struct result {

@@ -35,23 +35,6 @@ constexpr int capacity = 512;
 constexpr int V = tiny_model::vocab, D = tiny_model::dim;
 const std::vector<std::int32_t> prompt = {1, 5, 9, 13, 2, 7};
 
-// Logits and hidden states of every position of `tokens` (one causal pass from slot 0).
-struct full_pass {
-  std::vector<float> logits, hidden;
-};
-full_pass run_all(tiny_model& m, std::span<const std::int32_t> tokens) {
-  std::vector<std::int32_t> pos(tokens.size());
-  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int32_t>(i);
-  full_pass out{std::vector<float>(tokens.size() * V), std::vector<float>(tokens.size() * D)};
-  medusa::forward_batch b;
-  b.tokens = tokens;
-  b.positions = pos;
-  b.logits = out.logits;
-  b.hidden = out.hidden;
-  m.forward(b);
-  return out;
-}
-
 // Predicts the target exactly: it rebuilds each request's tokens from its rows (row i carries
 // t_{i+1}; t_0 is the prompt's first token) and runs a copy of the target over them from scratch.
 // Every feature it is given must be the target's hidden state at that position.
@@ -74,7 +57,7 @@ struct oracle_drafter {
       REQUIRE(b.positions[i] == b.cache_length + static_cast<int>(i));
       seq.push_back(b.tokens[i]);
     }
-    const full_pass all = run_all(target, seq);
+    const tiny::sequence_outputs all = tiny::outputs_of(target, seq);
     for (std::size_t i = 0; i < b.tokens.size(); ++i) {  // row i's feature: the hidden state at its position
       const auto p = static_cast<std::size_t>(b.positions[i]);
       for (int c = 0; c < D; ++c)
