@@ -34,7 +34,7 @@ for a, ct in zip(acc, chain):
     assert 0 <= a <= 1, acc
     p *= a; t += p
     assert abs(ct - t) < 1e-3, (ct, t)
-# The target's header: dim, hidden, layers, heads, kv heads, vocab (negative: separate classifier), seq_len.
+# The target's header: dim, hidden, layers, heads, kv heads, vocab (< 0: separate classifier), seq_len.
 th = struct.unpack("<7i", open(target, "rb").read(28))
 d = th[0]
 e = c["eagle"]

@@ -208,7 +208,8 @@ TEST_CASE("the drafter's backward matches finite differences for W_fc, the block
   const std::size_t n = tokens.size(), d = 32, rows = n - 2;
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1, 1);
-  std::vector<float> wz(rows * vocab), wg(rows * d);  // L = Σ wz ⊙ logits + Σ wg ⊙ g over the first `rows` rows
+  // L = Σ wz ⊙ logits + Σ wg ⊙ g over the first `rows` rows.
+  std::vector<float> wz(rows * vocab), wg(rows * d);
   for (float& x : wz) x = u(rng);
   for (float& x : wg) x = u(rng);
   auto loss = [&] {
@@ -225,10 +226,10 @@ TEST_CASE("the drafter's backward matches finite differences for W_fc, the block
   em.forward(tokens, f.data(), st);
   std::vector<float> grads(em.params().size(), 0.0f);
   em.backward(st, rows, wz.data(), wg.data(), grads.data());
-  // Stretches of the flat layout: W_fc's token half and feature half, each block piece, the final norm.
+  // Stretches of the flat layout: W_fc's token and feature halves, each block piece, the final norm.
   const std::size_t hid = 48, kv = 16;
   std::vector<std::pair<std::size_t, std::size_t>> stretches;
-  for (std::size_t r = 0; r < 4; ++r) {  // rows of W_fc: the first d entries (token), the last d (feature)
+  for (std::size_t r = 0; r < 4; ++r) {  // rows of W_fc: d token entries, then d feature entries
     stretches.emplace_back(r * 2 * d, r * 2 * d + d);
     stretches.emplace_back(r * 2 * d + d, (r + 1) * 2 * d);
   }
@@ -305,21 +306,22 @@ TEST_CASE("a short fit lowers the drafter's loss, and its chain figures are cons
   const auto after = measure_eagle(em, scored, features, teacher, 2, 4);
   REQUIRE(kls.size() == r.steps);
   CHECK(r.train_sequences == 42);
-  CHECK(r.positions_seen == r.steps * 6 * 38);  // 42 = 7 batches of 6; 38 rows per 40-token sequence
+  CHECK(r.positions_seen == r.steps * 6 * 38);  // 7 batches of 6; 38 rows per 40-token sequence
   CHECK(kls.back() < 0.6 * kls.front());
   CHECK(regs.back() < regs.front());
   CHECK(after.agreement > before.agreement + 0.1);
   CHECK(after.regression < before.regression);
   MESSAGE("KL " << kls.front() << " -> " << kls.back() << ", regression " << regs.front() << " -> " << regs.back() << ", agreement "
                 << before.agreement << " -> " << after.agreement);
-  // 48 sequences × 36 continuation positions (those measure_draft scores); the held-out split alone: 6.
+  // 48 sequences × 36 continuation positions (as measure_draft scores); the held-out split: 6.
   CHECK(after.positions == 48 * 36);
   CHECK(measure_eagle(em, seqs, features, teacher, 1, 4).positions == 6 * 36);
   REQUIRE(after.acceptance.size() == 4);
   REQUIRE(after.chain_tokens.size() == 4);
   REQUIRE(after.chain_tokens_teacher_forced.size() == 4);
   CHECK(after.acceptance[0] == doctest::Approx(after.agreement));
-  CHECK(after.chain_tokens[0] == doctest::Approx(after.chain_tokens_teacher_forced[0]));  // depth 1 is teacher-forced either way
+  // Depth 1 is teacher-forced either way.
+  CHECK(after.chain_tokens[0] == doctest::Approx(after.chain_tokens_teacher_forced[0]));
   double p = 1, tokens = 1;
   for (std::size_t k = 0; k < 4; ++k) {
     CHECK(after.acceptance[k] >= 0);

@@ -19,7 +19,6 @@
 //! @endcode
 #pragma once
 
-#include <medusa_train/draft_distill.hpp>
 #include <medusa_train/eagle_model.hpp>
 #include <medusa_train/medusa2.hpp>
 
@@ -58,7 +57,7 @@ struct eagle_progress {
   std::size_t total_steps = 0;      //!< planned steps (after budget re-planning)
   double kl = 0;                    //!< smoothed KL(target ‖ drafter), nats per row
   double regression = 0;            //!< smoothed mean SmoothL1(g − f) per row
-  double agreement = 0;             //!< smoothed share of rows where the drafter's argmax is the target's
+  double agreement = 0;             //!< smoothed share of rows with the target's argmax
   double lr = 0;                    //!< current learning rate
   double positions_per_second = 0;  //!< training rows per second
   double elapsed = 0;               //!< seconds since the start

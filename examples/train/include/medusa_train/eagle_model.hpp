@@ -62,7 +62,8 @@ class eagle_model {
   //! A fresh drafter for `target`: its config with one block, SwiGLU width `hidden_dim` (0: the
   //! target's). W_fc passes the features through (identity on their half) plus uniform noise of
   //! standard deviation 0.02, the block as `dense_model` initialises one, the final norm the
-  //! target's (g starts on the features' scale). Throws `medusa::invalid_input` for a negative width.
+  //! target's (g starts on the features' scale). Throws `medusa::invalid_input` for a negative
+  //! width.
   eagle_model(const medusa_llama::model& target, int hidden_dim, std::uint64_t seed);
 
   //! The drafter's shape: the target's with n_layers = 1 (and its own hidden_dim).
@@ -99,7 +100,8 @@ class eagle_model {
   //! model (a copy; the classifier tied to the embedding when the target's is).
   [[nodiscard]] medusa_llama::model to_model() const;
   //! Writes W_fc: `MEDUSAFC`, int32 version 1, int32 in (2d), int32 out (d), then out × in float32
-  //! little-endian row-major; through a temporary file renamed over `path`. Throws `medusa::io_error`.
+  //! little-endian row-major; through a temporary file renamed over `path`. Throws
+  //! `medusa::io_error`.
   void save_fc(const std::filesystem::path& path) const;
 
  private:
