@@ -172,8 +172,7 @@ eagle_engine::eagle_engine(model layer, std::vector<float> fc, eagle_options o) 
     bad("its input projection has " + std::to_string(fc.size()) + " weights, width " + std::to_string(c.dim) + " needs " +
         std::to_string(2 * c.dim * c.dim));
   if (o.max_rows < 1 || o.max_rows > 4096) bad("max_rows " + std::to_string(o.max_rows) + " is outside [1, 4096]");
-  if (o.weights != weight_format::f32 && o.weights != weight_format::bf16)
-    bad(std::string("weights must be f32 or bf16, not ") + to_string(o.weights));
+  if (o.weights == weight_format::int8) bad("int8 is a format for Medusa heads; the drafter takes f32, bf16, q8_0 or q4_0");
   detail::check_stack_options({.threads = o.threads, .weights = o.weights});
   p_ = std::make_unique<impl>(std::move(layer), std::move(fc), o);
   p_->x.resize(sz(o.max_rows) * sz(c.dim));

@@ -79,13 +79,14 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
     medusa_llama::batch_engine_options deo = eo;
     deo.max_tokens = std::max(eo.max_tokens, seq_len);
     deo.pool = &eng.pool();
-    set_weight_formats(deo, a, *draft_weights);
+    set_draft_weight_formats(deo, a, *draft_weights);
     draft_engine.emplace(std::move(*draft_weights), deo);
   }
   // The feature drafter (--eagle): on the target's threads, one cache per request id.
   std::optional<medusa_llama::eagle_engine> eagle_engine;
   if (a.mode != run_mode::vanilla && !a.eagle.empty())
-    eagle_engine.emplace(medusa_llama::eagle_engine::load(a.eagle, eng.config(), {.pool = &eng.pool()}));
+    eagle_engine.emplace(medusa_llama::eagle_engine::load(
+        a.eagle, eng.config(), {.pool = &eng.pool(), .weights = a.draft_weights.value_or(eng.options().weights)}));
   tree_choice choice;
   std::size_t prompt_sum = 0;
   for (const auto& p : prompts) prompt_sum += p.size();

@@ -48,6 +48,7 @@ struct run_args {
   int threads = 0;
   std::optional<medusa_llama::weight_format> weights;  // unset (auto): what the model file stores
   std::optional<medusa_llama::weight_format> classifier_weights;  // unset: the engine's rule
+  std::optional<medusa_llama::weight_format> draft_weights;       // the drafter's; unset: the target engine's
   medusa_llama::weight_format head_weights = medusa_llama::weight_format::int8;
   bool json = false;
   std::string device = "cpu";                                             // cpu | cuda

@@ -281,4 +281,15 @@ void set_weight_formats(Options& eo, const run_args& a, const medusa_llama::mode
   else if (!a.weights) eo.classifier_weights = native_format(m.classifier_stored());
 }
 
+// A draft model's formats: --draft-weights for its projections and classifier (the engine's rule
+// for the classifier under q4), else as the target's (`set_weight_formats`).
+template <class Options>
+void set_draft_weight_formats(Options& eo, const run_args& a, const medusa_llama::model& m) {
+  set_weight_formats(eo, a, m);
+  if (a.draft_weights) {
+    eo.weights = *a.draft_weights;
+    eo.classifier_weights = std::nullopt;
+  }
+}
+
 }  // namespace medusa_run

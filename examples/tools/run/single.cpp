@@ -39,13 +39,14 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
     medusa_llama::engine_options deo = eo;
     deo.max_batch = std::max(eo.max_batch, seq_len);
     deo.pool = &model.pool();
-    set_weight_formats(deo, a, *draft_weights);
+    set_draft_weight_formats(deo, a, *draft_weights);
     draft_engine.emplace(std::move(*draft_weights), deo);
   }
   // The feature drafter (--eagle): on the target's threads, one cache per request.
   std::optional<medusa_llama::eagle_engine> eagle_engine;
   if (want_medusa && !a.eagle.empty())
-    eagle_engine.emplace(medusa_llama::eagle_engine::load(a.eagle, model.config(), {.pool = &model.pool()}));
+    eagle_engine.emplace(medusa_llama::eagle_engine::load(
+        a.eagle, model.config(), {.pool = &model.pool(), .weights = a.draft_weights.value_or(model.options().weights)}));
   tree_choice choice;
   if (auto_tree) {
     choice = choose_auto_tree(a, ain, model, head_w, 1, eo.max_batch, static_cast<int>(prompt.size()) + a.max_new_tokens / 2);
