@@ -5,6 +5,7 @@
 #include <medusa_llama/errors.hpp>
 #include <medusa_llama/thread_pool.hpp>
 
+#include "gemm.hpp"
 #include "layer_stack.hpp"
 
 #include <medusa/error.hpp>
@@ -69,7 +70,7 @@ void save_eagle_fc(const std::filesystem::path& path, const std::vector<float>& 
 
 struct eagle_engine::impl {
   detail::layer_stack stack;
-  std::vector<float> fct;  // W_fcᵀ: [2·dim][dim]
+  detail::packed_matrix fc;  // W_fc [dim][2·dim], packed as the layer's projections
   eagle_options opt;
   struct cache {
     std::vector<float> k, v;  // [capacity][kv_dim]
@@ -81,12 +82,8 @@ struct eagle_engine::impl {
 
   impl(model m, std::vector<float> w, const eagle_options& o)
       : stack(std::move(m), {.max_rows = o.max_rows, .threads = o.threads, .pool = o.pool, .weights = o.weights}),
-        opt(o) {
-    const std::size_t d = sz(stack.config().dim);
-    fct.resize(w.size());
-    for (std::size_t o = 0; o < d; ++o)
-      for (std::size_t j = 0; j < 2 * d; ++j) fct[j * d + o] = w[o * 2 * d + j];
-  }
+        fc(w.data(), stack.config().dim, 2 * stack.config().dim, o.weights),
+        opt(o) {}
 
   [[nodiscard]] const model_config& config() const noexcept { return stack.config(); }
 
@@ -119,7 +116,7 @@ struct eagle_engine::impl {
     detail::check_outputs(c, 1, b.logits, b.hidden);
   }
 
-  // x = W_fc [E(token); feature] for rows [r0, r0 + n), over the pool's threads.
+  // x = W_fc [E(token); feature] for rows [r0, r0 + n): one GEMM on the engine's kernels.
   void project(const medusa::feature_batch& b, int r0, int n) {
     const std::size_t d = sz(config().dim), in = 2 * d;
     const float* emb = stack.weights().token_embedding();
@@ -128,23 +125,8 @@ struct eagle_engine::impl {
       std::memcpy(u_row, emb + sz(b.tokens[sz(r0 + i)]) * d, d * sizeof(float));
       std::memcpy(u_row + d, b.features.data() + sz(r0 + i) * d, d * sizeof(float));
     }
-    // Column blocks of x over the threads; x[o] = Σ_j u[j] W_fc[o][j] as axpys over o (fct is
-    // W_fcᵀ), which vectorize without reordering any sum.
-    const int chunks = std::min(stack.pool().size(), static_cast<int>(d / 16));
-    stack.pool().run(std::max(chunks, 1), [&](int chunk, int) {
-      const std::size_t parts = sz(std::max(chunks, 1));
-      const std::size_t o0 = d * sz(chunk) / parts, o1 = d * sz(chunk + 1) / parts;
-      for (int i = 0; i < n; ++i) {
-        const float* u_row = u.data() + sz(i) * in;
-        float* x_row = x.data() + sz(i) * d;
-        std::fill(x_row + o0, x_row + o1, 0.0f);
-        for (std::size_t j = 0; j < in; ++j) {
-          const float uj = u_row[j];
-          const float* w = fct.data() + j * d;
-          for (std::size_t o = o0; o < o1; ++o) x_row[o] += uj * w[o];
-        }
-      }
-    });
+    const detail::gemm_job job{&fc, detail::gemm_input{u.data(), in, n}, x.data(), d, detail::epilogue::store};
+    detail::run_gemm_jobs(stack.pool(), std::span(&job, 1));
   }
 
   void forward(const medusa::feature_batch& b) {

@@ -34,7 +34,7 @@ struct eagle_options {
   int threads = 0;                              //!< threads including the caller; 0 = all
   thread_pool* pool = nullptr;                  //!< run on this pool (the target's) instead
   weight_format weights = weight_format::f32;   //!< precision of the layer's projections and classifier
-                                                //!< (not `int8`; the input projection stays f32)
+                                                //!< and input projection (not `int8`)
   int max_rows = 64;                            //!< rows of one pass; longer catch-ups run in chunks
 };
 
