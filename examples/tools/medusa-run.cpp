@@ -230,8 +230,8 @@ int main(int argc, char** argv) {
                  "classifier weight format (same names); default: --weights, q8_0 under q4, the file's own without --weights")
       ->transform(CLI::CheckedTransformer(engine_formats));
   app.add_option("--draft-weights", a.draft_weights,
-                 "weight format of a draft model or --eagle drafter (same names); default: the target engine's (drafts only: "
-                 "the output does not depend on it)")
+                 "weight format of a draft model or --eagle drafter (same names); default: the target engine's, q8_0 for "
+                 "--eagle (drafts only: the output does not depend on it)")
       ->transform(CLI::CheckedTransformer(engine_formats))
       ->default_str("auto");
   app.add_option("--head-weights", a.head_weights,

@@ -59,10 +59,10 @@ PY
                      args=(--model "$pycode" --heads random:4 --draft-model "$pycode" --draft-tokens auto --prompt x) ;;
   draft_auto_batch)  want=2; pat='--draft-tokens auto needs --draft-model .* and one request'
                      args=(--model "$pycode" --heads random:4 --draft-model "$pycode" --draft-tokens auto --prompts-file "$scratch/prompts.txt") ;;
-  speculative_alone) want=2; pat='--policy speculative samples a draft model.s chains'
+  speculative_alone) want=2; pat='--policy speculative samples a drafter.s chains'
                      args=(--model "$pycode" --heads random:4 --policy speculative --self-draft-layers 2 --prompt x) ;;
   draft_layers)      want=2; pat='below the model.s 8 layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 8 --prompt x) ;;
-  draft_both)        want=2; pat='give one of --draft-model and --self-draft-layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-model "$pycode") ;;
+  draft_both)        want=2; pat='give one of --draft-model, --self-draft-layers and --eagle'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-model "$pycode") ;;
   draft_tokens)      want=2; pat='--draft-tokens must be in'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-tokens 0) ;;
   draft_alone)       want=2; pat='--draft-alone needs';   args=(--model "$pycode" --heads random:4 --draft-alone) ;;
   *) echo "unknown case $case"; exit 1 ;;

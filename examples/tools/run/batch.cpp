@@ -86,7 +86,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   std::optional<medusa_llama::eagle_engine> eagle_engine;
   if (a.mode != run_mode::vanilla && !a.eagle.empty())
     eagle_engine.emplace(medusa_llama::eagle_engine::load(
-        a.eagle, eng.config(), {.pool = &eng.pool(), .weights = a.draft_weights.value_or(eng.options().weights)}));
+        a.eagle, eng.config(), {.pool = &eng.pool(), .weights = a.draft_weights.value_or(eagle_default_weights)}));
   tree_choice choice;
   std::size_t prompt_sum = 0;
   for (const auto& p : prompts) prompt_sum += p.size();

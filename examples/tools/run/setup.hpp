@@ -281,6 +281,11 @@ void set_weight_formats(Options& eo, const run_args& a, const medusa_llama::mode
   else if (!a.weights) eo.classifier_weights = native_format(m.classifier_stored());
 }
 
+// An --eagle drafter's format without --draft-weights: its passes stream its weights (one layer
+// and the classifier, a fifth of pycode-15m's bytes in f32), and q8_0 drafts almost as the f32
+// weights do at a third of the bytes (docs/performance.md).
+inline constexpr medusa_llama::weight_format eagle_default_weights = medusa_llama::weight_format::q8_0;
+
 // A draft model's formats: --draft-weights for its projections and classifier (the engine's rule
 // for the classifier under q4), else as the target's (`set_weight_formats`).
 template <class Options>

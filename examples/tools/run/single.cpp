@@ -46,7 +46,7 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   std::optional<medusa_llama::eagle_engine> eagle_engine;
   if (want_medusa && !a.eagle.empty())
     eagle_engine.emplace(medusa_llama::eagle_engine::load(
-        a.eagle, model.config(), {.pool = &model.pool(), .weights = a.draft_weights.value_or(model.options().weights)}));
+        a.eagle, model.config(), {.pool = &model.pool(), .weights = a.draft_weights.value_or(eagle_default_weights)}));
   tree_choice choice;
   if (auto_tree) {
     choice = choose_auto_tree(a, ain, model, head_w, 1, eo.max_batch, static_cast<int>(prompt.size()) + a.max_new_tokens / 2);
