@@ -152,10 +152,7 @@ class feature_draft_branch {
     const int count = std::min({s.opt.max_tokens, static_cast<int>(out.size()), context() - n + 2});
     if (count < 1) return 0;
     // Catch-up: positions [fed, n − 1) with real features, each row's token the one after it.
-    const int rows = n - 1 - r.fed;
-    if (rows < 1) return 0;  // drafted already after this history, and nothing accepted since
-    s.positions.resize(static_cast<std::size_t>(rows));
-    for (int i = 0; i < rows; ++i) s.positions[static_cast<std::size_t>(i)] = r.fed + i;
+    if (n - 1 - r.fed < 1) return 0;  // drafted already after this history, and nothing accepted since
     run(request, history.subspan(static_cast<std::size_t>(r.fed) + 1), r.pending, r.fed);
     r.fed = n - 1;
     r.pending.clear();
@@ -165,7 +162,6 @@ class feature_draft_branch {
       if (i + 1 == count) break;
       // The predicted feature of position n − 1 + i with the token drafted from it.
       s.feature.assign(s.hidden.begin(), s.hidden.end());
-      s.positions.assign(1, n - 1 + i);
       const std::int32_t token[1] = {next};
       run(request, token, s.feature, n - 1 + i);
     }
@@ -202,10 +198,12 @@ class feature_draft_branch {
 
   [[nodiscard]] int context() const { return static_cast<int>(state_->model->max_context()); }
 
-  // Runs rows (tokens[i], features[i]) at positions `state_->positions` after `length` kept slots;
-  // the last row's logits and predicted feature are left in `state_->logits` / `state_->hidden`.
+  // Runs rows (tokens[i], features[i]) at slots and positions `length + i`; the last row's logits
+  // and predicted feature are left in `state_->logits` / `state_->hidden`.
   void run(int request, std::span<const std::int32_t> tokens, std::span<const float> features, int length) {
     state& s = *state_;
+    s.positions.resize(tokens.size());
+    for (std::size_t i = 0; i < tokens.size(); ++i) s.positions[i] = length + static_cast<int>(i);
     s.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
     s.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
     feature_batch b;

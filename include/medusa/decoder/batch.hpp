@@ -423,6 +423,10 @@ class batch_decoder {
     if constexpr (per_step && feature_observing<Tree>) return tree_.observes_features();
     else return false;
   }
+  // Hands the drafter request `request`'s features from `position` on (only when `observing()`).
+  void observe(int request, int position, std::span<const float> rows) {
+    if constexpr (per_step && feature_observing<Tree>) tree_.observe(request, position, rows);
+  }
   // Prompt rows per request and prefill pass when every row's outputs are kept (bounds the logits).
   static constexpr int observed_prefill_rows = 64;
   [[nodiscard]] int max_nodes() const {
@@ -636,11 +640,9 @@ class batch_decoder {
         if (!guarded(s, [&] {
               detail::check_logits_row(s.id, 0, z, where);
               detail::check_hidden_row(s.id, 0, h, where);
-              if constexpr (per_step && feature_observing<Tree>)
-                if (all_rows)
-                  tree_.observe(s.id, s.prefilled,
-                                std::span<const float>(hidden_out_.data() + to_size(qo_indptr_[to_size(i)]) * d,
-                                                       to_size(s.rows) * d));
+              if (all_rows)
+                observe(s.id, s.prefilled,
+                        std::span<const float>(hidden_out_.data() + to_size(qo_indptr_[to_size(i)]) * d, to_size(s.rows) * d));
             }))
           continue;
         s.prefilled += s.rows;
@@ -868,8 +870,7 @@ class batch_decoder {
           detail::check_logits_row(s.id, s.step, z, "row 0");
           detail::check_hidden_row(s.id, s.step, h, "row 0");
           s.pending = detail::choose_token(policy_, z, s.opt.seed, s.step, ws_);
-          if constexpr (per_step && feature_observing<Tree>)
-            if (observing()) tree_.observe(s.id, s.length, h);
+          if (observing()) observe(s.id, s.length, h);
         });
         st.seconds.accept += seconds_since(tc);
         if (!chosen) continue;  // the slot this step wrote is not counted valid
@@ -890,14 +891,13 @@ class batch_decoder {
       const bool committed = guarded(s, [&] {
         s.length = with_step_tree(s, [&](const auto& t) { return commit_path(s, t, res.nodes()); });
         if constexpr (kv_releasing_model<Model>) model_.release(s.id, s.length);
-        if constexpr (per_step && feature_observing<Tree>)
-          if (observing()) {  // the committed rows' features, in path order
-            const auto nodes = res.nodes();
-            observed_.resize(nodes.size() * d);
-            for (std::size_t k = 0; k < nodes.size(); ++k)
-              std::copy_n(hidden_out_.data() + (row0 + to_size(nodes[k])) * d, d, observed_.data() + k * d);
-            tree_.observe(s.id, L, observed_);
-          }
+        if (observing()) {  // the committed rows' features, in path order
+          const auto nodes = res.nodes();
+          observed_.resize(nodes.size() * d);
+          for (std::size_t k = 0; k < nodes.size(); ++k)
+            std::copy_n(hidden_out_.data() + (row0 + to_size(nodes[k])) * d, d, observed_.data() + k * d);
+          observe(s.id, L, observed_);
+        }
       });
       st.seconds.commit += seconds_since(tc);
       if (!committed) continue;
