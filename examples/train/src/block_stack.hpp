@@ -54,6 +54,42 @@ inline const float* weight_of(const medusa_llama::layer_weights& w, projection p
   return nullptr;
 }
 
+//! Floats of one block in a flat parameter array: two norms and the seven projections.
+inline std::size_t block_size(const medusa_llama::model_config& c) {
+  std::size_t n = 2 * static_cast<std::size_t>(c.dim);
+  for (projection p : all_projections) {
+    const auto s = projection_dims(c, p);
+    n += s.in * s.out;
+  }
+  return n;
+}
+
+//! The weights of the block stored flat at `p` (`block_size` floats): `rms_att, wq, wk, wv, wo,
+//! rms_ffn, w1 (gate), w2 (down), w3 (up)`.
+inline medusa_llama::layer_weights block_at(const medusa_llama::model_config& c, const float* p) {
+  auto take = [&](std::size_t count) {
+    const float* r = p;
+    p += count;
+    return r;
+  };
+  auto size = [&](projection pr) {
+    const auto s = projection_dims(c, pr);
+    return s.in * s.out;
+  };
+  const auto d = static_cast<std::size_t>(c.dim);
+  medusa_llama::layer_weights w;
+  w.rms_att = take(d);
+  w.wq = take(size(projection::q));
+  w.wk = take(size(projection::k));
+  w.wv = take(size(projection::v));
+  w.wo = take(size(projection::o));
+  w.rms_ffn = take(d);
+  w.w1 = take(size(projection::gate));
+  w.w2 = take(size(projection::down));
+  w.w3 = take(size(projection::up));
+  return w;
+}
+
 inline backbone::rope_pairs pairs_of(const medusa_llama::model_config& c) {
   return c.rope == medusa_llama::rope_style::adjacent_pairs ? backbone::rope_pairs::adjacent : backbone::rope_pairs::halves;
 }

@@ -13,22 +13,12 @@ namespace medusa_train {
 
 namespace {
 
-// Floats of one block: two norms and the seven projections.
-std::size_t block_size(const medusa_llama::model_config& c) {
-  std::size_t n = 2 * static_cast<std::size_t>(c.dim);
-  for (projection p : detail::all_projections) {
-    const auto s = detail::projection_dims(c, p);
-    n += s.in * s.out;
-  }
-  return n;
-}
-
 std::size_t embedding_size(const medusa_llama::model_config& c) {
   return static_cast<std::size_t>(c.vocab_size) * static_cast<std::size_t>(c.dim);
 }
 
 std::size_t total_size(const medusa_llama::model_config& c) {
-  return embedding_size(c) + static_cast<std::size_t>(c.n_layers) * block_size(c) + static_cast<std::size_t>(c.dim);
+  return embedding_size(c) + static_cast<std::size_t>(c.n_layers) * detail::block_size(c) + static_cast<std::size_t>(c.dim);
 }
 
 void require_shared_classifier(const medusa_llama::model_config& c) {
@@ -81,28 +71,11 @@ dense_model::dense_model(const medusa_llama::model& m) : config_(m.config()) {
 }
 
 std::vector<medusa_llama::layer_weights> dense_model::layers(const float* base) const {
-  const auto d = static_cast<std::size_t>(config_.dim);
   std::vector<medusa_llama::layer_weights> out(static_cast<std::size_t>(config_.n_layers));
   const float* p = base + embedding_size(config_);
-  auto take = [&](std::size_t count) {
-    const float* r = p;
-    p += count;
-    return r;
-  };
-  auto size = [&](projection pr) {
-    const auto s = detail::projection_dims(config_, pr);
-    return s.in * s.out;
-  };
   for (auto& w : out) {
-    w.rms_att = take(d);
-    w.wq = take(size(projection::q));
-    w.wk = take(size(projection::k));
-    w.wv = take(size(projection::v));
-    w.wo = take(size(projection::o));
-    w.rms_ffn = take(d);
-    w.w1 = take(size(projection::gate));
-    w.w2 = take(size(projection::down));
-    w.w3 = take(size(projection::up));
+    w = detail::block_at(config_, p);
+    p += detail::block_size(config_);
   }
   return out;
 }

@@ -18,15 +18,6 @@ namespace {
 
 std::size_t fc_size(const medusa_llama::model_config& c) { return 2 * static_cast<std::size_t>(c.dim) * static_cast<std::size_t>(c.dim); }
 
-std::size_t block_size(const medusa_llama::model_config& c) {
-  std::size_t n = 2 * static_cast<std::size_t>(c.dim);
-  for (projection p : detail::all_projections) {
-    const auto s = detail::projection_dims(c, p);
-    n += s.in * s.out;
-  }
-  return n;
-}
-
 medusa_llama::model_config eagle_config(const medusa_llama::model_config& target, int hidden_dim) {
   if (hidden_dim < 0) throw medusa::invalid_input("eagle: the block's hidden width must be >= 0, got " + std::to_string(hidden_dim));
   medusa_llama::model_config c = target;
@@ -41,7 +32,7 @@ medusa_llama::model_config eagle_config(const medusa_llama::model_config& target
 eagle_model::eagle_model(const medusa_llama::model& target, int hidden_dim, std::uint64_t seed)
     : target_(target), config_(eagle_config(target.config(), hidden_dim)) {
   const auto d = static_cast<std::size_t>(config_.dim);
-  params_.assign(fc_size(config_) + block_size(config_) + d, 0.0f);
+  params_.assign(fc_size(config_) + detail::block_size(config_) + d, 0.0f);
   const float bound = 0.02f * std::sqrt(3.0f);  // uniform with standard deviation 0.02
   auto fill = [&](float* p, std::size_t count, float b, std::uint64_t stream) {
     for (std::size_t i = 0; i < count; ++i) p[i] = static_cast<float>((2.0 * detail::unit(detail::mix(seed ^ detail::mix(stream + i))) - 1.0) * b);
@@ -64,28 +55,7 @@ eagle_model::eagle_model(const medusa_llama::model& target, int hidden_dim, std:
 std::span<const float> eagle_model::fc() const noexcept { return std::span<const float>(params_).first(fc_size(config_)); }
 
 medusa_llama::layer_weights eagle_model::block(const float* base) const {
-  const auto d = static_cast<std::size_t>(config_.dim);
-  const float* p = base + fc_size(config_);
-  auto take = [&](std::size_t count) {
-    const float* r = p;
-    p += count;
-    return r;
-  };
-  auto size = [&](projection pr) {
-    const auto s = detail::projection_dims(config_, pr);
-    return s.in * s.out;
-  };
-  medusa_llama::layer_weights w;
-  w.rms_att = take(d);
-  w.wq = take(size(projection::q));
-  w.wk = take(size(projection::k));
-  w.wv = take(size(projection::v));
-  w.wo = take(size(projection::o));
-  w.rms_ffn = take(d);
-  w.w1 = take(size(projection::gate));
-  w.w2 = take(size(projection::down));
-  w.w3 = take(size(projection::up));
-  return w;
+  return detail::block_at(config_, base + fc_size(config_));
 }
 
 void eagle_model::forward(std::span<const std::int32_t> tokens, const float* features, eagle_state& st, const eagle_forward_options& fo) const {
