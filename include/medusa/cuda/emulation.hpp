@@ -357,6 +357,15 @@ class host_context {
     return bits;
   }
   void* shared() const noexcept { return block_->shared.data(); }
+  void sync_warp() const { block_->warp_barrier(block_->warps[static_cast<std::size_t>(warp())]); }
+  // The copies land at once; the waits have nothing to wait for.
+  void copy_async16(void* dst, const void* src, bool valid) const noexcept {
+    if (valid) std::memcpy(dst, src, 16);
+    else std::memset(dst, 0, 16);
+  }
+  void async_commit() const noexcept {}
+  template <int N>
+  void async_wait() const noexcept {}
   // Out of line: kernel bodies unroll their mma loops, and this inlined at every site makes the
   // host compile of a GEMM body minutes long.
   template <class T>

@@ -18,6 +18,14 @@
 //! | `ballot(p)`               | `__ballot_sync(~0u, p)`       | predicate bits of the warp       |
 //! | `shared()`                | `extern __shared__` storage   | the block's dynamic shared bytes |
 //! | `mma_m16n8k16<T>(d, a, b)`| `mma.sync...m16n8k16` (sm_80+)| warp tensor-core product, below  |
+//! | `sync_warp()`             | `__syncwarp()`                | warp barrier                     |
+//! | `copy_async16(d, s, ok)`  | `cp.async.cg` 16 bytes (sm_80+)| global → shared, zeros if `!ok`  |
+//! | `async_commit()`          | `cp.async.commit_group`       | closes a group of copies         |
+//! | `async_wait<N>()`         | `cp.async.wait_group N`       | all but the last N groups landed |
+//!
+//! The asynchronous copies let a body keep many loads in flight without registers: a thread sees
+//! its own copies after `async_wait`, the warp's after a further `sync_warp()`, the block's after
+//! `sync()`. The emulation copies at once, so it checks the arithmetic, not the waits' placement.
 //!
 //! Rules for bodies: blocks have a multiple of 32 threads; every thread of a block reaches each
 //! `sync()` and every lane of a warp each warp operation (the host emulation checks both and
@@ -222,6 +230,28 @@ struct device_context {
   __device__ void* shared() const noexcept {
     extern __shared__ __align__(16) unsigned char medusa_dynamic_shared[];
     return medusa_dynamic_shared;
+  }
+  __device__ void sync_warp() const noexcept { __syncwarp(); }
+  __device__ void copy_async16(void* dst, const void* src, bool valid) const noexcept {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const auto s = static_cast<std::uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
+#else
+    __trap();  // the library's CUDA targets are sm_80 and later
+#endif
+  }
+  __device__ void async_commit() const noexcept {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+  }
+  // Only the wait is a compiler barrier: reads of the copied bytes stay after it, while the
+  // copies themselves (ordered among the asm statements) need not pin other memory accesses.
+  template <int N>
+  __device__ void async_wait() const noexcept {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
   }
   template <class T>
   __device__ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) const noexcept {

@@ -47,8 +47,13 @@ cudaError_t run(const kernels::skinny_gemm_plan& plan, const kernels::skinny_gem
   const dim3 grid(static_cast<unsigned>(plan.launch.grid_x), static_cast<unsigned>(plan.launch.grid_y));
   const bool aligned = kernels::skinny_gemm_aligned(plan, params);
   return kernels::with_skinny_gemm_variant(plan, [&](auto rt, auto ft) -> cudaError_t {
-    detail::skinny_gemm_kernel<decltype(rt)::value, decltype(ft)::value, T>
-        <<<grid, plan.launch.threads, plan.launch.shared_bytes, stream>>>(plan, params, aligned);
+    constexpr auto kernel = detail::skinny_gemm_kernel<decltype(rt)::value, decltype(ft)::value, T>;
+    // The rings take more than the 48 KiB a block gets without asking (once per instance and
+    // process; a device without that much shared memory refuses here).
+    static const cudaError_t opt_in = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                           static_cast<int>(plan.launch.shared_bytes));
+    if (opt_in != cudaSuccess) return opt_in;
+    kernel<<<grid, plan.launch.threads, plan.launch.shared_bytes, stream>>>(plan, params, aligned);
     return cudaGetLastError();
   });
 }

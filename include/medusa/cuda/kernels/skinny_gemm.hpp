@@ -10,7 +10,7 @@
 //! - k is cut into 32-element chunks; the block's 8 warps each own a fixed range of chunks (a
 //!   function of k alone) and sum theirs in order, two mma k-steps a chunk;
 //! - the warps' partial sums are added in warp order, then the residual, if any.
-//! The pass size only chooses how many 8-row column tiles a block carries (1, 4 or 16) and how many
+//! The pass size only chooses how many 8-row column tiles a block carries (1, 4 or 8) and how many
 //! 16-feature tiles (1 or 2): neither changes an element's arithmetic. There is no split of k
 //! across blocks and no switch of algorithm by size.
 //!
@@ -25,12 +25,17 @@
 //! those of the plain GEMM over the same W: the fused result has the bits of the plain GEMM
 //! followed by `store_float<T>(silu(gate) * up)`.
 //!
-//! W is streamed once per row group (`8 · row_tiles` rows) with 16-byte loads, four chunks in flight
-//! per warp; the pass's activations are re-read from L2 by every block. The tensor cores see W as A
-//! (16 features × 16 k) and X as B (16 k × 8 rows), so a single row wastes only B's other columns.
-//! Inside a chunk each lane loads 8 consecutive elements of a row and feeds them to the two k-steps
-//! as k positions {2t, 2t+1, 2t+8, 2t+9}: A and B use the same permutation, so the product is the
-//! same sum, with 16-byte instead of 4-byte loads.
+//! **Streaming.** Each warp copies its k range of the block's W rows and X rows into a ring of
+//! shared-memory stages with asynchronous 16-byte copies (`copy_async16`), a warp instruction
+//! covering whole 64- to 128-byte runs of rows, several stages in flight; it then reads each
+//! lane's fragments from the ring. W is streamed once per row group (`8 · row_tiles` rows); the
+//! pass's activations are re-read from L2 by every block. The tensor cores see W as A (16 features
+//! × 16 k) and X as B (16 k × 8 rows), so a single row wastes only B's other columns. Inside a
+//! chunk each lane takes 8 consecutive elements of a row and feeds them to the two k-steps as k
+//! positions {2t, 2t+1, 2t+8, 2t+9}: A and B use the same permutation, so the product is the same
+//! sum, with 16-byte instead of 4-byte reads. Where W or X do not allow 16-byte copies
+//! (`skinny_gemm_aligned`), the stages are filled element by element: the same values, the same
+//! bits.
 //!
 //! @code
 //! namespace mk = medusa::cuda::kernels;
@@ -57,9 +62,8 @@ namespace cuda::kernels {
 
 inline constexpr int skinny_gemm_warps = 8;                           //!< warps of a block, each a k range
 inline constexpr int skinny_gemm_threads = skinny_gemm_warps * warp_size;  //!< threads of a block
-inline constexpr int skinny_gemm_chunk = 32;                           //!< k elements a warp takes at once
-inline constexpr int skinny_gemm_in_flight = 4;  //!< chunks a warp loads ahead (2 where a block carries 16 tiles)
-inline constexpr int skinny_gemm_max_row_tiles = 16;                   //!< 8-row tiles a block carries at most
+inline constexpr int skinny_gemm_chunk = 32;                           //!< k elements of one mma pair
+inline constexpr int skinny_gemm_max_row_tiles = 8;                    //!< 8-row tiles a block carries at most
 
 //! The sizes of one GEMM.
 struct skinny_gemm_problem {
@@ -77,7 +81,7 @@ struct skinny_gemm_problem {
 //! A validated GEMM and its launch (`plan_skinny_gemm`).
 struct skinny_gemm_plan {
   skinny_gemm_problem problem;
-  int row_tiles = 0;      //!< 8-row column tiles of B per block: 1 (up to 8 rows), 4 (up to 32) or 16
+  int row_tiles = 0;      //!< 8-row column tiles of B per block: 1 (up to 8 rows), 4 (up to 32) or 8
   int feature_tiles = 0;  //!< 16-feature tiles of A per block: 1 or 2
   launch_shape launch;    //!< grid (n / 16·feature_tiles, rows / 8·row_tiles · batch), 256 threads
 };
@@ -124,43 +128,75 @@ namespace detail {
 #define MEDUSA_SKINNY_UNROLL
 #endif
 
-// 16-feature tiles of a block carrying `row_tiles` row tiles: two halve the re-reads of X at 4 row
-// tiles; at 16 the accumulators already take 64 registers. The plan's grid and the launched
-// instance both read it here.
-constexpr int skinny_gemm_feature_tiles(int row_tiles) noexcept { return row_tiles == 4 ? 2 : 1; }
+// The three instances, by their row tiles (1, 4, 8): 16-feature tiles (two halve the re-reads of
+// X at 8 row tiles), ring stages per warp, and 32-element chunks per stage: the fastest of the
+// schedules measured on an H200, each at most 96 KiB of shared memory, so that two or three blocks
+// share an SM (and a consumer GPU's 99 KiB a block suffices). The plan's grid and the launched
+// instance both read them here.
+MEDUSA_HOST_DEVICE constexpr int skinny_gemm_feature_tiles(int row_tiles) noexcept { return row_tiles == 8 ? 2 : 1; }
+MEDUSA_HOST_DEVICE constexpr int skinny_gemm_stages(int row_tiles) noexcept { return row_tiles == 4 ? 3 : 2; }
+MEDUSA_HOST_DEVICE constexpr int skinny_gemm_stage_chunks(int row_tiles) noexcept { return row_tiles == 1 ? 2 : 1; }
+// 16-byte pieces from one row of a stage to the next: the row's pieces, plus 64 bytes where a row
+// is 128 bytes or more, so that the eight lanes of a quarter-warp read eight distinct bank groups.
+MEDUSA_HOST_DEVICE constexpr int skinny_gemm_row_stride(int chunks) noexcept { return 4 * chunks + (chunks == 1 ? 0 : 4); }
+// Rows (of W and X) in one stage.
+MEDUSA_HOST_DEVICE constexpr int skinny_gemm_stage_rows(int row_tiles) noexcept { return 16 * skinny_gemm_feature_tiles(row_tiles) + 8 * row_tiles; }
 
 [[noreturn]] inline void skinny_gemm_fail(launch_errc c, const std::string& what) {
   throw launch_error(c, "skinny gemm: " + what);
 }
 
-// Shared bytes: one warp's partial sums at a time (the cross-warp sum goes in warp order).
-constexpr std::size_t skinny_gemm_shared_bytes(int row_tiles, int feature_tiles) noexcept {
-  return static_cast<std::size_t>(row_tiles) * static_cast<std::size_t>(feature_tiles) * warp_size * 4 * sizeof(float);
+// Shared bytes: every warp's ring; after the k loop, one warp's partial sums at a time (the
+// cross-warp sum goes in warp order) in the same bytes.
+constexpr std::size_t skinny_gemm_shared_bytes(int row_tiles) noexcept {
+  const std::size_t ring = std::size_t{skinny_gemm_warps} * static_cast<std::size_t>(skinny_gemm_stages(row_tiles)) *
+                           static_cast<std::size_t>(skinny_gemm_stage_rows(row_tiles)) *
+                           static_cast<std::size_t>(skinny_gemm_row_stride(skinny_gemm_stage_chunks(row_tiles))) * 16;
+  const std::size_t partial = static_cast<std::size_t>(row_tiles) *
+                              static_cast<std::size_t>(skinny_gemm_feature_tiles(row_tiles)) * warp_size * 4 * sizeof(float);
+  return ring > partial ? ring : partial;
 }
 
-// Eight consecutive elements of a row starting at `k0` as four registers, zeros past `k` (or for a
-// row that does not exist). `aligned`: the row and `k0` allow one 16-byte load (the same for the
-// whole launch, so the branch never diverges).
-template <class T>
-MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool aligned, std::uint32_t (&r)[4]) noexcept {
+// Sixteen bytes of the ring: eight elements, two to a register.
+struct alignas(16) skinny_words {
+  std::uint32_t w[4];
+};
+
+// Fills `Rows` rows of a stage (`Stride` pieces apart) with chunks [c0, c0 + Pieces / 4) of the
+// rows `first_row + r` of `m` (`ld` elements apart, `count` of them, the rest zeros), zeros for
+// chunks at or past `last`. Piece p is row p / pieces, so a warp instruction covers whole runs of
+// consecutive rows. `aligned`: 16-byte asynchronous copies (the same for the whole launch); else
+// element by element, zeros past k: the same values.
+template <int Rows, int Pieces, int Stride, class T, class Ctx>
+MEDUSA_KERNEL_FN void fill_rows(Ctx& ctx, skinny_words* stage, const T* m, std::size_t ld, int first_row, int count,
+                                int c0, int last, int k, bool aligned) noexcept {
+  const int lane = ctx.lane();
   if (aligned) {
-    if (exists && k0 < k) {
-      const vector16<std::uint16_t> v = load_vector16(reinterpret_cast<const std::uint16_t*>(row + k0));
-      MEDUSA_SKINNY_UNROLL
-      for (int i = 0; i < 4; ++i)
-        r[i] = static_cast<std::uint32_t>(v.e[2 * i]) | static_cast<std::uint32_t>(v.e[2 * i + 1]) << 16;
-    } else {
-      MEDUSA_SKINNY_UNROLL
-      for (int i = 0; i < 4; ++i) r[i] = 0;
-    }
-  } else {
     MEDUSA_SKINNY_UNROLL
+    for (int p = lane; p < Rows * Pieces; p += warp_size) {
+      const int r = p / Pieces, col = p % Pieces;
+      const int c = c0 + col / 4;
+      const int k0 = c * skinny_gemm_chunk + 8 * (col % 4);
+      const bool ok = first_row + r < count && c < last && k0 < k;  // k a multiple of 8: all in or all out
+      const std::size_t at = ok ? static_cast<std::size_t>(first_row + r) * ld + static_cast<std::size_t>(k0) : 0;
+      ctx.copy_async16(stage + r * Stride + col, m + at, ok);
+    }
+    return;
+  }
+  for (int p = lane; p < Rows * Pieces; p += warp_size) {
+    const int r = p / Pieces, col = p % Pieces;
+    const int c = c0 + col / 4;
+    const bool exists = first_row + r < count && c < last;
+    const T* const row = m + (exists ? static_cast<std::size_t>(first_row + r) * ld : 0);
+    const int k0 = c * skinny_gemm_chunk + 8 * (col % 4);
+    skinny_words v;
     for (int i = 0; i < 4; ++i) {
       const int lo = k0 + 2 * i, hi = lo + 1;
       const std::uint32_t a = exists && lo < k ? row[lo].bits() : 0u;
       const std::uint32_t b = exists && hi < k ? row[hi].bits() : 0u;
-      r[i] = a | b << 16;
+      v.w[i] = a | b << 16;
     }
+    store_aligned(stage + r * Stride + col, v);
   }
 }
 
@@ -195,7 +231,7 @@ MEDUSA_KERNEL_FN void load_eight(const T* row, int k0, int k, bool exists, bool 
   plan.launch = {.grid_x = static_cast<int>(grid_x),
                  .grid_y = static_cast<int>(grid_y),
                  .threads = skinny_gemm_threads,
-                 .shared_bytes = detail::skinny_gemm_shared_bytes(plan.row_tiles, plan.feature_tiles)};
+                 .shared_bytes = detail::skinny_gemm_shared_bytes(plan.row_tiles)};
   return plan;
 }
 
@@ -251,6 +287,13 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
                                        bool aligned) {
   static_assert(std::is_same_v<T, medusa::bfloat16> || std::is_same_v<T, medusa::half>,
                 "the skinny GEMM multiplies bfloat16 or half");
+  static_assert(F == detail::skinny_gemm_feature_tiles(RT), "the instance's feature tiles follow its row tiles");
+  constexpr int S = detail::skinny_gemm_stages(RT);         // ring stages
+  constexpr int CH = detail::skinny_gemm_stage_chunks(RT);  // chunks per stage
+  constexpr int pieces = 4 * CH;                            // 16-byte pieces of a row per stage
+  constexpr int stride = detail::skinny_gemm_row_stride(CH);
+  constexpr int w_rows = 16 * F, rows_per_stage = detail::skinny_gemm_stage_rows(RT);
+  constexpr int stage_pieces = rows_per_stage * stride;
   const int n = plan.problem.n, k = plan.problem.k, rows = plan.problem.rows;
   const int lane = ctx.lane(), warp = ctx.warp();
   const int g = lane / 4, t = lane % 4;
@@ -266,25 +309,15 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
   const int first = static_cast<int>(std::int64_t{chunks} * warp / skinny_gemm_warps);
   const int last = static_cast<int>(std::int64_t{chunks} * (warp + 1) / skinny_gemm_warps);
 
-  // A's rows g and g + 8 of each feature tile, B's column g of each row tile.
-  const T* w_row[F][2];
-  bool w_exists[F][2];
-  MEDUSA_SKINNY_UNROLL
-  for (int f = 0; f < F; ++f)
-    MEDUSA_SKINNY_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const int feature = feature0 + 16 * f + g + 8 * h;
-      w_exists[f][h] = feature < n;
-      w_row[f][h] = w + static_cast<std::size_t>(w_exists[f][h] ? feature : 0) * static_cast<std::size_t>(k);
-    }
-  const T* x_row[RT];
-  bool x_exists[RT];
-  MEDUSA_SKINNY_UNROLL
-  for (int j = 0; j < RT; ++j) {
-    const int row = row0 + 8 * j + g;
-    x_exists[j] = row < rows;
-    x_row[j] = x + static_cast<std::size_t>(x_exists[j] ? row : 0) * ldx;
-  }
+  // This warp's ring: S stages of `rows_per_stage` rows (the block's W rows, then its X rows),
+  // `stride` pieces apart.
+  auto* const ring = static_cast<detail::skinny_words*>(ctx.shared()) + static_cast<std::size_t>(warp) * S * stage_pieces;
+  // Chunks [c0, c0 + CH) of the warp's range into stage `slot`: W's rows, then X's.
+  const auto fill = [&](int c0, int slot) {
+    detail::skinny_words* const stage = ring + slot * stage_pieces;
+    detail::fill_rows<w_rows, pieces, stride>(ctx, stage, w, static_cast<std::size_t>(k), feature0, n, c0, last, k, aligned);
+    detail::fill_rows<8 * RT, pieces, stride>(ctx, stage + w_rows * stride, x, ldx, row0, rows, c0, last, k, aligned);
+  };
 
   float acc[F][RT][4];
   MEDUSA_SKINNY_UNROLL
@@ -294,40 +327,48 @@ MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, c
       MEDUSA_SKINNY_UNROLL
       for (int i = 0; i < 4; ++i) acc[f][j][i] = 0.0f;
 
-  // Fewer chunks ahead where the accumulators take 64 registers: no spills.
-  constexpr int in_flight = F * RT >= 16 ? 2 : skinny_gemm_in_flight;
-  for (int c0 = first; c0 < last; c0 += in_flight) {
-    // W's registers of the next chunks first, so that their loads are in flight together.
-    std::uint32_t wr[in_flight][F][2][4];
+  MEDUSA_SKINNY_UNROLL
+  for (int s = 0; s < S; ++s) {
+    fill(first + s * CH, s);
+    ctx.async_commit();
+  }
+  int slot = 0;
+  for (int c0 = first; c0 < last; c0 += CH) {
+    ctx.template async_wait<S - 1>();  // this lane's copies of the stage have landed
+    ctx.sync_warp();                   // and every lane's
+    const detail::skinny_words* const stage = ring + slot * stage_pieces;
     MEDUSA_SKINNY_UNROLL
-    for (int u = 0; u < in_flight; ++u)
+    for (int u = 0; u < CH; ++u) {
+      if (c0 + u >= last) break;  // the same for the whole warp
+      // A's rows g and g + 8 of each feature tile, B's column g of each row tile, 8 elements of
+      // chunk c0 + u from 8t.
+      detail::skinny_words wr[F][2];
       MEDUSA_SKINNY_UNROLL
       for (int f = 0; f < F; ++f)
         MEDUSA_SKINNY_UNROLL
-        for (int h = 0; h < 2; ++h)
-          detail::load_eight(w_row[f][h], (c0 + u) * skinny_gemm_chunk + 8 * t, k, w_exists[f][h] && c0 + u < last,
-                             aligned, wr[u][f][h]);
-    MEDUSA_SKINNY_UNROLL
-    for (int u = 0; u < in_flight; ++u) {
-      if (c0 + u >= last) continue;
-      const int k0 = (c0 + u) * skinny_gemm_chunk + 8 * t;
+        for (int h = 0; h < 2; ++h) wr[f][h] = load_aligned<detail::skinny_words>(stage + (16 * f + 8 * h + g) * stride + 4 * u + t);
       MEDUSA_SKINNY_UNROLL
       for (int j = 0; j < RT; ++j) {
-        std::uint32_t xr[4];
-        detail::load_eight(x_row[j], k0, k, x_exists[j], aligned, xr);
+        const detail::skinny_words xr = load_aligned<detail::skinny_words>(stage + (w_rows + 8 * j + g) * stride + 4 * u + t);
         MEDUSA_SKINNY_UNROLL
         for (int step = 0; step < 2; ++step) {
-          const std::uint32_t b[2] = {xr[2 * step], xr[2 * step + 1]};
+          const std::uint32_t b[2] = {xr.w[2 * step], xr.w[2 * step + 1]};
           MEDUSA_SKINNY_UNROLL
           for (int f = 0; f < F; ++f) {
-            const std::uint32_t af[4] = {wr[u][f][0][2 * step], wr[u][f][1][2 * step], wr[u][f][0][2 * step + 1],
-                                         wr[u][f][1][2 * step + 1]};
+            const std::uint32_t af[4] = {wr[f][0].w[2 * step], wr[f][1].w[2 * step], wr[f][0].w[2 * step + 1],
+                                         wr[f][1].w[2 * step + 1]};
             ctx.template mma_m16n8k16<T>(acc[f][j], af, b);
           }
         }
       }
     }
+    ctx.sync_warp();  // every lane has read the stage before it is refilled
+    fill(c0 + S * CH, slot);
+    ctx.async_commit();
+    slot = slot + 1 == S ? 0 : slot + 1;
   }
+  ctx.template async_wait<0>();
+  ctx.sync();  // the rings are free: their bytes take the partial sums
 
   // The warps' partial sums, added in warp order through one warp's worth of shared memory.
   float* partial = static_cast<float*>(ctx.shared());
