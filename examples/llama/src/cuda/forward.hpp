@@ -251,7 +251,7 @@ class forward_core {
     namespace mc = medusa::cuda;
     const int n = p.tokens, d = c_.dim, H = c_.hidden_dim, D = c_.head_dim();
     const mc::launch_shape norm_rows = row_shape(n, d);
-    const mc::launch_shape rope_rows = row_shape(n, (c_.n_heads + c_.n_kv_heads) * D / 2);
+    const mc::launch_shape rope_rows = rope_shape(n, c_.n_heads, c_.n_kv_heads, D);
     ex_.launch(elementwise_shape(n, d), embed_body<T>{w_.embedding.template as<const T>(), p.token_ids, x_.template as<float>(), d,
                                     c_.vocab_size});
     const mk::attention_plan plan = mk::plan_attention(problem(p.batch, n, p.max_tokens_per_request, p.mask));

@@ -160,7 +160,10 @@ struct rmsnorm_body {
 
 // RoPE at each token's position on the query and key heads of the fused QKV projection (in place,
 // float), then the token's K and V rows written to its cache slot `L_b + i` (request b, i-th new
-// token) in the cache's type. `row_shape(T, (hq + hkv) · head_dim / 2)`: one block per token.
+// token) in the cache's type. `rope_shape(T, hq, hkv, head_dim)`: one block per token and query or
+// key head (a decoded token spreads over hq + hkv blocks); the block of key head j also writes
+// value head j. Each thread takes whole rotation pairs, so a pair's values go from its registers
+// to the cache.
 template <class T>
 struct rope_kv_body {
   static constexpr int max_threads = row_threads;
@@ -179,39 +182,51 @@ struct rope_kv_body {
 
   template <class Ctx>
   MEDUSA_KERNEL_FN void operator()(Ctx& ctx) const {
-    const int t = ctx.block_x();
+    const int t = ctx.block_x(), head = ctx.block_y();
     const int D = head_dim, half = head_dim / 2;
     const int cols = (hq + 2 * hkv) * D;
     float* row = qkv + static_cast<std::size_t>(t) * static_cast<std::size_t>(cols);
+    float* v = row + static_cast<std::size_t>(head) * static_cast<std::size_t>(D);
     const int pos = positions[t];
     const bool pos_ok = pos >= 0 && pos < seq_len;
     const float* cs = cos + static_cast<std::size_t>(pos_ok ? pos : 0) * static_cast<std::size_t>(half);
     const float* sn = sin + static_cast<std::size_t>(pos_ok ? pos : 0) * static_cast<std::size_t>(half);
-    for (int e = ctx.thread(); e < (hq + hkv) * half; e += ctx.threads()) {
-      const int head = e / half, i = e % half;
-      float* v = row + static_cast<std::size_t>(head) * static_cast<std::size_t>(D);
-      const int a = split_halves ? i : 2 * i;
-      const int b = split_halves ? i + half : 2 * i + 1;
-      const float v0 = v[a], v1 = v[b];
-      v[a] = pos_ok ? v0 * cs[i] - v1 * sn[i] : nan_value;
-      v[b] = pos_ok ? v0 * sn[i] + v1 * cs[i] : nan_value;
+    const bool key = head >= hq;
+    int b = 0, slot = -1;
+    if (key) {
+      b = request_of(qo_indptr, batch, t);
+      slot = cache_lengths[b] + (t - qo_indptr[b]);
     }
-    ctx.sync();
-    const int b = request_of(qo_indptr, batch, t);
-    const int slot = cache_lengths[b] + (t - qo_indptr[b]);
-    if (!mk::batch_kv_slot_ok(kv, b, slot)) return;  // the host checks slots before a pass
-    T* k = static_cast<T*>(kv.k);
-    T* vv = static_cast<T*>(kv.v);
-    const float* ksrc = row + static_cast<std::size_t>(hq) * static_cast<std::size_t>(D);
-    const float* vsrc = ksrc + static_cast<std::size_t>(hkv) * static_cast<std::size_t>(D);
-    for (int e = ctx.thread(); e < hkv * D; e += ctx.threads()) {
-      const int head = e / D, d = e % D;
-      const std::size_t at = mk::batch_kv_row_offset(kv, b, layer, slot, head) + static_cast<std::size_t>(d);
-      k[at] = mc::store_float<T>(ksrc[e]);
-      vv[at] = mc::store_float<T>(vsrc[e]);
+    // The host checks slots before a pass; a slot outside the cache writes nothing.
+    const bool write = key && mk::batch_kv_slot_ok(kv, b, slot);
+    for (int i = ctx.thread(); i < half; i += ctx.threads()) {
+      const int a = split_halves ? i : 2 * i;
+      const int c = split_halves ? i + half : 2 * i + 1;
+      const float v0 = v[a], v1 = v[c];
+      const float r0 = pos_ok ? v0 * cs[i] - v1 * sn[i] : nan_value;
+      const float r1 = pos_ok ? v0 * sn[i] + v1 * cs[i] : nan_value;
+      v[a] = r0;
+      v[c] = r1;
+      if (!write) continue;
+      const int j = head - hq;
+      const std::size_t at = mk::batch_kv_row_offset(kv, b, layer, slot, j);
+      const float* vsrc = row + static_cast<std::size_t>(hq + hkv + j) * static_cast<std::size_t>(D);
+      T* k = static_cast<T*>(kv.k);
+      T* vv = static_cast<T*>(kv.v);
+      k[at + static_cast<std::size_t>(a)] = mc::store_float<T>(r0);
+      k[at + static_cast<std::size_t>(c)] = mc::store_float<T>(r1);
+      vv[at + static_cast<std::size_t>(a)] = mc::store_float<T>(vsrc[a]);
+      vv[at + static_cast<std::size_t>(c)] = mc::store_float<T>(vsrc[c]);
     }
   }
 };
+
+// One block per token (x) and query or key head (y), a thread per rotation pair (at least 32).
+constexpr mc::launch_shape rope_shape(int tokens, int hq, int hkv, int head_dim) noexcept {
+  const int half = head_dim / 2;
+  const int threads = (half + 31) / 32 * 32;
+  return {.grid_x = tokens, .grid_y = hq + hkv, .threads = threads < row_threads ? threads : row_threads, .shared_bytes = 0};
+}
 
 // h = SiLU(gate) ⊙ up from the fused W1/W3 projection ([T][2·hidden]: gate, then up), to T, over
 // `elementwise_shape(T, hidden)`.
