@@ -643,12 +643,21 @@ MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, 
     float score[RW];
     MEDUSA_UNROLL
     for (int j = 0; j < RW; ++j) score[j] = 0.0f;
-    MEDUSA_ATTENTION_UNROLL4
-    for (int d = 0; d < D; ++d) {
-      const float kd = k_s[ctx.lane() * (D + 1) + d];
-      MEDUSA_UNROLL
-      for (int j = 0; j < RW; ++j)
-        score[j] = attention_fma(q_s[(ctx.warp() * plan.rows_per_warp + j) * D + d], kd, score[j]);
+    if (plan.rows_per_warp == 1) {
+      // One row a warp (decoding, and trees of full-width heads): the same products, in the same
+      // order, without the three idle rows' loads and products.
+      const float* const q = q_s + ctx.warp() * D;
+      const float* const k = k_s + ctx.lane() * (D + 1);
+      MEDUSA_ATTENTION_UNROLL4
+      for (int d = 0; d < D; ++d) score[0] = attention_fma(q[d], k[d], score[0]);
+    } else {
+      MEDUSA_ATTENTION_UNROLL4
+      for (int d = 0; d < D; ++d) {
+        const float kd = k_s[ctx.lane() * (D + 1) + d];
+        MEDUSA_UNROLL
+        for (int j = 0; j < RW; ++j)
+          score[j] = attention_fma(q_s[(ctx.warp() * plan.rows_per_warp + j) * D + d], kd, score[j]);
+      }
     }
     MEDUSA_UNROLL
     for (int j = 0; j < RW; ++j) {
