@@ -22,6 +22,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <cstdlib>
 #include <vector>
 
 namespace fs = std::filesystem;
@@ -29,7 +30,12 @@ using namespace medusa_llama;
 
 namespace {
 
-const fs::path tmp_dir{MEDUSA_TEST_TMPDIR};
+// A folder per instruction-set entry (MEDUSA_CPU_TARGET): ctest runs them in parallel, and each
+// rewrites the same files.
+const fs::path tmp_dir = [] {
+  const char* target = std::getenv("MEDUSA_CPU_TARGET");
+  return fs::path(MEDUSA_TEST_TMPDIR) / (std::string("engine-") + (target != nullptr ? target : "best"));
+}();
 
 model_config tiny_config(bool shared = true) {
   model_config c;
