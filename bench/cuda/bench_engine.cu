@@ -18,8 +18,8 @@
 //                           the expected tokens per step, relative step cost and speedup (table
 //                           on stderr)
 //
-// --gemm cublaslt|library: the engine's bf16 GEMMs through cuBLASLt with one pinned algorithm per
-// shape (default) or the library's skinny GEMM (both batch-invariant). --kv-split N: keys per
+// --gemm library|cublaslt: the engine's bf16 GEMMs through the library's skinny GEMM (default) or
+// cuBLASLt with one pinned algorithm per shape (both batch-invariant). --kv-split N: keys per
 // attention split (default: the engine's, from the context). --context N: the prompt's length
 // (default 512; the engine's context grows past 2048 to hold it).
 //
@@ -80,7 +80,7 @@ int context = 512;                                    // --context N: the prompt
 const std::vector<int> step_rows = {1, 4, 8, 16, 32, 64, 128};
 std::optional<medusa::path_calibration> calibration;  // --calibration
 std::string step_cost_out;                            // --step-cost-out (the 7B curve)
-bool library_gemm = false;                            // --gemm cublaslt|library
+bool library_gemm = true;                             // --gemm library|cublaslt
 int kv_split = 0;                                     // --kv-split N (0: the engine's default)
 
 // The context a request may reach: the prompt, 64 new tokens and a 128-node tree, at least 2048.

@@ -260,8 +260,8 @@ int main(int argc, char** argv) {
              throw usage_error("--cuda-gemm must be library, invariant or fast, got " + v);
            a.cuda_gemm = v;
          },
-         "--device cuda: invariant (one cuBLASLt algorithm per shape; default), library (the library's "
-         "batch-invariant skinny GEMM for f16/bf16, heads and SwiGLU included; as invariant for f32) or fast (cuBLASLt's choice per pass "
+         "--device cuda: library (the library's batch-invariant skinny GEMM for f16/bf16, heads and SwiGLU "
+         "included; as invariant for f32; default), invariant (one cuBLASLt algorithm per shape) or fast (cuBLASLt's choice per pass "
          "size); invariant and library make Medusa reproduce plain decoding bit for bit");
   return medusa_tools::run_tool(app, argc, argv, [&] { return medusa_run::run(a); });
 }

@@ -53,7 +53,7 @@ struct run_args {
   bool json = false;
   std::string device = "cpu";                                             // cpu | cuda
   medusa::dtype precision = medusa::dtype::bf16;  // --device cuda
-  std::string cuda_gemm = "invariant";                                    // --cuda-gemm library|invariant|fast
+  std::string cuda_gemm = "library";                                      // --cuda-gemm library|invariant|fast
 };
 
 // The policies medusa-run offers (speculative_policy verifies a draft model's sampled chains

@@ -8,7 +8,7 @@
 // chosen once for the engine's largest pass, without split-K, and used for every pass size: a
 // row's result then does not depend on how many rows share the pass, which greedy Medusa needs to
 // reproduce plain decoding bit for bit. Without it, cuBLASLt's heuristic picks per pass size.
-// With `library_gemm` (off by default) bf16/f16 GEMMs run the library's skinny GEMM instead
+// With `library_gemm` (the default) bf16/f16 GEMMs run the library's skinny GEMM instead
 // (cuda/skinny_gemm.cuh), batch-invariant by construction, the FFN's W1/W3 GEMM with its SwiGLU
 // epilogue, and so do the Medusa heads' (`device_heads::run_skinny_gemm`); f32 GEMMs stay on
 // cuBLAS(Lt).
