@@ -13,8 +13,12 @@
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <string_view>
 #include <system_error>
+#include <vector>
 
 namespace medusa_train {
 
@@ -263,14 +267,18 @@ void distill_cache::load_hidden(std::size_t i, std::size_t j, float* out) const 
 // cache key
 // ---------------------------------------------------------------------------------------------
 
-std::uint64_t fnv1a64(std::string_view bytes) noexcept {
-  std::uint64_t h = 0xcbf29ce484222325ull;
+namespace {
+constexpr std::uint64_t fnv_offset = 0xcbf29ce484222325ull;
+std::uint64_t fnv1a64_update(std::uint64_t h, std::string_view bytes) noexcept {
   for (unsigned char c : bytes) {
     h ^= c;
     h *= 0x100000001b3ull;
   }
   return h;
 }
+}  // namespace
+
+std::uint64_t fnv1a64(std::string_view bytes) noexcept { return fnv1a64_update(fnv_offset, bytes); }
 
 std::string cache_key::hex() const {
   char buf[17];
@@ -296,14 +304,31 @@ std::string json_string(const std::string& s) {
   return o + "\"";
 }
 
+// A file by what it holds: its size and the FNV-1a-64 hash of its bytes (a copy, a move or a new
+// modification time of the same bytes keeps the key; one changed byte changes it), plus `shown`
+// (a corpus file's relative path) where the name is part of the data.
 std::string file_entry(const std::filesystem::path& file, const std::string& shown) {
   std::error_code ec;
   const auto size = std::filesystem::file_size(file, ec);
   if (ec) throw medusa::io_error("cannot stat " + file.string() + ": " + ec.message());
-  const auto mtime = std::filesystem::last_write_time(file, ec);
-  if (ec) throw medusa::io_error("cannot stat " + file.string() + ": " + ec.message());
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(mtime.time_since_epoch()).count();
-  return "{\"path\": " + json_string(shown) + ", \"size\": " + std::to_string(size) + ", \"mtime_ns\": " + std::to_string(ns) + "}";
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw medusa::io_error("cannot open " + file.string() + " to hash it");
+  std::uint64_t h = fnv_offset;
+  std::vector<char> buf(std::size_t{1} << 20);
+  std::uintmax_t read = 0;
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const auto got = static_cast<std::size_t>(in.gcount());
+    h = fnv1a64_update(h, std::string_view(buf.data(), got));
+    read += got;
+  }
+  if (read != size) throw medusa::io_error("cannot read " + file.string() + " to hash it (" + std::to_string(read) +
+                                           " of " + std::to_string(size) + " bytes)");
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  std::string e = "{";
+  if (!shown.empty()) e += "\"path\": " + json_string(shown) + ", ";
+  return e + "\"size\": " + std::to_string(size) + ", \"fnv1a64\": \"" + hex + "\"}";
 }
 }  // namespace
 
@@ -323,10 +348,7 @@ cache_key_builder& cache_key_builder::add(const std::string& name, double value)
 }
 
 cache_key_builder& cache_key_builder::add_file(const std::string& name, const std::filesystem::path& file) {
-  std::error_code ec;
-  auto abs = std::filesystem::weakly_canonical(file, ec);
-  if (ec) abs = std::filesystem::absolute(file);
-  fields_.emplace_back(name, file_entry(file, abs.string()));
+  fields_.emplace_back(name, file_entry(file, ""));
   return *this;
 }
 

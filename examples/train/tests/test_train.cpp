@@ -330,6 +330,25 @@ TEST_CASE("distill cache: corrupt, truncated and incomplete files are rejected")
   for (const auto& e : fs::directory_iterator(dir)) CHECK(e.path().filename().string().find("unfinished") == std::string::npos);
 }
 
+TEST_CASE("distill cache: a file's key follows its bytes, not its path or modification time") {
+  const auto dir = scratch("cache_key");
+  const std::string bytes(3u << 20, 'a');  // more than one read block
+  std::ofstream(dir / "model.bin", std::ios::binary) << bytes;
+  const auto key = [](const fs::path& f) { return medusa_train::cache_key_builder().add_file("model", f).build(); };
+  const medusa_train::cache_key first = key(dir / "model.bin");
+  fs::create_directories(dir / "copy");
+  fs::copy_file(dir / "model.bin", dir / "copy" / "model.bin");
+  fs::last_write_time(dir / "copy" / "model.bin", fs::last_write_time(dir / "model.bin") - std::chrono::hours(5));
+  CHECK(key(dir / "copy" / "model.bin").hash == first.hash);
+  std::string changed = bytes;
+  changed[2u << 20] = 'b';  // one byte, in the third block
+  std::ofstream(dir / "copy" / "model.bin", std::ios::binary | std::ios::trunc) << changed;
+  CHECK(key(dir / "copy" / "model.bin").hash != first.hash);
+  std::ofstream(dir / "copy" / "model.bin", std::ios::binary | std::ios::trunc) << bytes.substr(1);
+  CHECK(key(dir / "copy" / "model.bin").hash != first.hash);
+  CHECK_THROWS_AS((void)key(dir / "missing.bin"), medusa::io_error);
+}
+
 TEST_CASE("lookup drafting proposes what followed the last n-gram") {
   const std::vector<int> ctx{1, 5, 6, 7, 8, 2, 5, 6};
   CHECK(medusa_train::lookup_draft(ctx, 2, 3) == std::vector<int>{7, 8, 2});

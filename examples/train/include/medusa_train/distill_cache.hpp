@@ -137,16 +137,17 @@ struct cache_key {
   [[nodiscard]] std::string hex() const;
 };
 
-//! Builds a `cache_key` from named values; files are recorded by absolute path, size and mtime.
+//! Builds a `cache_key` from named values; files are recorded by their size and the FNV-1a-64 hash
+//! of their bytes, so a copy or a touched file keeps its key and any changed byte changes it.
 class cache_key_builder {
  public:
   //! Adds a string field.
   cache_key_builder& add(const std::string& name, const std::string& value);
   //! Adds a number field (recorded exactly: integers as integers, others with 17 digits).
   cache_key_builder& add(const std::string& name, double value);
-  //! Adds a file (path, size, mtime); a missing file throws `medusa::io_error`.
+  //! Adds a file (size, content hash); a missing or unreadable file throws `medusa::io_error`.
   cache_key_builder& add_file(const std::string& name, const std::filesystem::path& file);
-  //! Adds a list of files under `root` (relative path, size, mtime each).
+  //! Adds a list of files under `root` (relative path, size, content hash each).
   cache_key_builder& add_files(const std::string& name, const std::filesystem::path& root,
                                const std::vector<std::filesystem::path>& files);
   //! The key.
