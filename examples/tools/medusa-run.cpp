@@ -8,7 +8,7 @@
 //              [--draft-model F | --self-draft-layers K | --eagle DIR] [--draft-tokens N|auto] [--draft-alone]
 //              [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
-//              [--mode vanilla|medusa|both] [--weights f32|bf16|int8|q4] [--classifier-weights F] [--draft-weights F] [--head-weights int8|q8_0|q4|bf16|f32]
+//              [--mode vanilla|medusa|both] [--weights f32|bf16|int8|q4] [--classifier-weights F] [--draft-weights F] [--draft-threads N] [--head-weights int8|q8_0|q4|bf16|f32]
 //              [--threads N] [--json]
 //   medusa-run ... --prompts-file F [--batch N]     many prompts, N at a time (continuous batching)
 //   medusa-run ... --device cuda [--precision f32|f16|bf16] [--cuda-gemm library|invariant|fast]
@@ -234,6 +234,11 @@ int main(int argc, char** argv) {
                  "--eagle (drafts only: the output does not depend on it)")
       ->transform(CLI::CheckedTransformer(engine_formats))
       ->default_str("auto");
+  app.add_option("--draft-threads", a.draft_threads,
+                 "threads of a draft model or --eagle drafter, on its own (1: in the calling thread); default: 0, the "
+                 "target's threads (drafts only: the output does not depend on it)")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
   app.add_option("--head-weights", a.head_weights,
                  "Medusa head weight format: int8 (per column) | q8_0 | q4 | bf16 | f32 (drafts only: the output does not "
                  "depend on it)")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # medusa-run --eagle with a feature drafter medusa-train --recipe eagle wrote for stories260K: its
-# chains alone (fixed length and auto, f32 and bf16 weights), with a prompt lookup, beside the
-# heads' tree, and for a batch of requests, every request's tokens equal to plain greedy decoding
-# and the drafter ran;
+# chains alone (fixed length and auto, f32 and bf16 weights, on the target's threads and on a thread
+# of its own), with a prompt lookup, beside the heads' tree, and for a batch of requests, every
+# request's tokens equal to plain greedy decoding and the drafter ran;
 # --policy speculative samples its chains (every token asked for, at T = 0 the greedy tokens); a
 # drafter for another width and speculative sampling beside a lookup are refused with errors that
 # say why.
@@ -44,7 +44,8 @@ print("%s: %d tokens identical to plain, %.2f per step, the drafter ran %d rows 
 
 fail=0
 for extra in "--draft-alone --draft-tokens 3" "--draft-alone --draft-tokens auto" "--draft-alone --draft-tokens 4 --lookup 6" \
-             "--draft-tokens 3 --tree mc_sim_7b_63" "--draft-alone --draft-tokens 3 --draft-weights bf16"; do
+             "--draft-tokens 3 --tree mc_sim_7b_63" "--draft-alone --draft-tokens 3 --draft-weights bf16" \
+             "--draft-alone --draft-tokens 3 --draft-threads 1"; do
   out=$("$run" "${common[@]}" $extra --prompt "Once upon a time" 2>"$dir/run.err")
   rc=$?
   if ! printf '%s\n' "$out" | check_single "$extra"; then echo "FAIL [$extra]: exit $rc"; cat "$dir/run.err"; fail=1; fi
@@ -52,7 +53,8 @@ done
 
 # A batch: each request its own drafter cache, requests joining as others finish.
 printf 'Once upon a time\nThe little cat\nTom and Lily went\nOne day a bird\nThe sun was\n' > "$dir/batch_prompts.txt"
-out=$("$run" "${common[@]}" --draft-alone --draft-tokens 3 --prompts-file "$dir/batch_prompts.txt" --batch 2 2>"$dir/run.err")
+out=$("$run" "${common[@]}" --draft-alone --draft-tokens 3 --draft-threads 1 --prompts-file "$dir/batch_prompts.txt" --batch 2 \
+      2>"$dir/run.err")
 rc=$?
 if ! printf '%s\n' "$out" | python3 -c '
 import json, sys

@@ -68,8 +68,8 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   set_weight_formats(eo, a, lm.weights);
   // The draft model (--draft-model, --self-draft-layers): a serving engine of its own with the
   // same request ids, a cache per request; passes as large as a prompt, which it runs in its
-  // first call. It runs on the target's threads: a pool of its own would spin on the cores the
-  // target's next pass needs.
+  // first call. It runs on the target's threads unless --draft-threads gives it its own (a pool
+  // of several would spin on the cores the target's next pass needs; one runs in the calling thread).
   std::optional<medusa_llama::model> draft_weights;
   if (a.mode != run_mode::vanilla && a.drafted()) draft_weights = load_draft(a, lm);
   const int seq_len = lm.weights.config().seq_len;
@@ -78,7 +78,8 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   if (draft_weights) {
     medusa_llama::batch_engine_options deo = eo;
     deo.max_tokens = std::max(eo.max_tokens, seq_len);
-    deo.pool = &eng.pool();
+    deo.pool = a.draft_threads == 0 ? &eng.pool() : nullptr;
+    if (a.draft_threads != 0) deo.threads = a.draft_threads;
     set_draft_weight_formats(deo, a, *draft_weights);
     draft_engine.emplace(std::move(*draft_weights), deo);
   }
@@ -86,7 +87,8 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   std::optional<medusa_llama::eagle_engine> eagle_engine;
   if (a.mode != run_mode::vanilla && !a.eagle.empty())
     eagle_engine.emplace(medusa_llama::eagle_engine::load(
-        a.eagle, eng.config(), {.pool = &eng.pool(), .weights = a.draft_weights.value_or(eagle_default_weights)}));
+        a.eagle, eng.config(), {.threads = a.draft_threads, .pool = a.draft_threads == 0 ? &eng.pool() : nullptr,
+         .weights = a.draft_weights.value_or(eagle_default_weights)}));
   tree_choice choice;
   std::size_t prompt_sum = 0;
   for (const auto& p : prompts) prompt_sum += p.size();

@@ -49,6 +49,7 @@ struct run_args {
   std::optional<medusa_llama::weight_format> weights;  // unset (auto): what the model file stores
   std::optional<medusa_llama::weight_format> classifier_weights;  // unset: the engine's rule
   std::optional<medusa_llama::weight_format> draft_weights;       // the drafter's; unset: the target engine's
+  int draft_threads = 0;  // --draft-threads: the drafter's own threads (inline at 1); 0: the target's pool
   medusa_llama::weight_format head_weights = medusa_llama::weight_format::int8;
   bool json = false;
   std::string device = "cpu";                                             // cpu | cuda

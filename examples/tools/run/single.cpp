@@ -28,8 +28,9 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   eo.backend = medusa_llama::gemm_backend::builtin;
   set_weight_formats(eo, a, lm.weights);
   // The draft model (--draft-model, --self-draft-layers): its own engine and cache; passes as
-  // large as a prompt, which it runs in its first call. It runs on the target's threads: a pool
-  // of its own would spin on the cores the target's next pass needs.
+  // large as a prompt, which it runs in its first call. It runs on the target's threads unless
+  // --draft-threads gives it its own (a pool of several would spin on the cores the target's next
+  // pass needs; one runs in the calling thread).
   std::optional<medusa_llama::model> draft_weights;
   if (drafted) draft_weights = load_draft(a, lm);
   const int seq_len = lm.weights.config().seq_len;
@@ -38,7 +39,8 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   if (draft_weights) {
     medusa_llama::engine_options deo = eo;
     deo.max_batch = std::max(eo.max_batch, seq_len);
-    deo.pool = &model.pool();
+    deo.pool = a.draft_threads == 0 ? &model.pool() : nullptr;
+    if (a.draft_threads != 0) deo.threads = a.draft_threads;
     set_draft_weight_formats(deo, a, *draft_weights);
     draft_engine.emplace(std::move(*draft_weights), deo);
   }
@@ -46,7 +48,8 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   std::optional<medusa_llama::eagle_engine> eagle_engine;
   if (want_medusa && !a.eagle.empty())
     eagle_engine.emplace(medusa_llama::eagle_engine::load(
-        a.eagle, model.config(), {.pool = &model.pool(), .weights = a.draft_weights.value_or(eagle_default_weights)}));
+        a.eagle, model.config(), {.threads = a.draft_threads, .pool = a.draft_threads == 0 ? &model.pool() : nullptr,
+         .weights = a.draft_weights.value_or(eagle_default_weights)}));
   tree_choice choice;
   if (auto_tree) {
     choice = choose_auto_tree(a, ain, model, head_w, 1, eo.max_batch, static_cast<int>(prompt.size()) + a.max_new_tokens / 2);
