@@ -199,6 +199,12 @@ struct rope_kv_body {
     }
     // The host checks slots before a pass; a slot outside the cache writes nothing.
     const bool write = key && mk::batch_kv_slot_ok(kv, b, slot);
+    // Key head j's cache row (K and V share the offset) and its value head's row in the projection.
+    const int j = head - hq;
+    const std::size_t at = write ? mk::batch_kv_row_offset(kv, b, layer, slot, j) : 0;
+    const float* const vsrc = row + static_cast<std::size_t>(hq + hkv + (write ? j : 0)) * static_cast<std::size_t>(D);
+    T* const k = static_cast<T*>(kv.k);
+    T* const vv = static_cast<T*>(kv.v);
     for (int i = ctx.thread(); i < half; i += ctx.threads()) {
       const int a = split_halves ? i : 2 * i;
       const int c = split_halves ? i + half : 2 * i + 1;
@@ -208,11 +214,6 @@ struct rope_kv_body {
       v[a] = r0;
       v[c] = r1;
       if (!write) continue;
-      const int j = head - hq;
-      const std::size_t at = mk::batch_kv_row_offset(kv, b, layer, slot, j);
-      const float* vsrc = row + static_cast<std::size_t>(hq + hkv + j) * static_cast<std::size_t>(D);
-      T* k = static_cast<T*>(kv.k);
-      T* vv = static_cast<T*>(kv.v);
       k[at + static_cast<std::size_t>(a)] = mc::store_float<T>(r0);
       k[at + static_cast<std::size_t>(c)] = mc::store_float<T>(r1);
       vv[at + static_cast<std::size_t>(a)] = mc::store_float<T>(vsrc[a]);

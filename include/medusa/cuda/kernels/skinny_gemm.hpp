@@ -164,7 +164,7 @@ struct alignas(16) skinny_words {
 
 // Fills `Rows` rows of a stage (`Stride` pieces apart) with chunks [c0, c0 + Pieces / 4) of the
 // rows `first_row + r` of `m` (`ld` elements apart, `count` of them, the rest zeros), zeros for
-// chunks at or past `last`. Piece p is row p / pieces, so a warp instruction covers whole runs of
+// chunks at or past `last`. Piece p is row p / Pieces, so a warp instruction covers whole runs of
 // consecutive rows. `aligned`: 16-byte asynchronous copies (the same for the whole launch); else
 // element by element, zeros past k: the same values.
 template <int Rows, int Pieces, int Stride, class T, class Ctx>
