@@ -78,8 +78,8 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   if (draft_weights) {
     medusa_llama::batch_engine_options deo = eo;
     deo.max_tokens = std::max(eo.max_tokens, seq_len);
-    deo.pool = a.draft_threads == 0 ? &eng.pool() : nullptr;
-    if (a.draft_threads != 0) deo.threads = a.draft_threads;
+    deo.pool = draft_pool(a, eng.pool());
+    deo.threads = a.draft_threads;
     set_draft_weight_formats(deo, a, *draft_weights);
     draft_engine.emplace(std::move(*draft_weights), deo);
   }
@@ -87,7 +87,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   std::optional<medusa_llama::eagle_engine> eagle_engine;
   if (a.mode != run_mode::vanilla && !a.eagle.empty())
     eagle_engine.emplace(medusa_llama::eagle_engine::load(
-        a.eagle, eng.config(), {.threads = a.draft_threads, .pool = a.draft_threads == 0 ? &eng.pool() : nullptr,
+        a.eagle, eng.config(), {.threads = a.draft_threads, .pool = draft_pool(a, eng.pool()),
          .weights = a.draft_weights.value_or(eagle_default_weights)}));
   tree_choice choice;
   std::size_t prompt_sum = 0;

@@ -286,6 +286,12 @@ void set_weight_formats(Options& eo, const run_args& a, const medusa_llama::mode
 // weights do at a third of the bytes (docs/performance.md).
 inline constexpr medusa_llama::weight_format eagle_default_weights = medusa_llama::weight_format::q8_0;
 
+// The pool a drafter runs on: the target's, unless --draft-threads gives it threads of its own
+// (then null, and the drafter's `threads` option is `a.draft_threads`; with a pool it is ignored).
+inline medusa_llama::thread_pool* draft_pool(const run_args& a, medusa_llama::thread_pool& target) noexcept {
+  return a.draft_threads == 0 ? &target : nullptr;
+}
+
 // A draft model's formats: --draft-weights for its projections and classifier (the engine's rule
 // for the classifier under q4), else as the target's (`set_weight_formats`).
 template <class Options>

@@ -39,8 +39,8 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   if (draft_weights) {
     medusa_llama::engine_options deo = eo;
     deo.max_batch = std::max(eo.max_batch, seq_len);
-    deo.pool = a.draft_threads == 0 ? &model.pool() : nullptr;
-    if (a.draft_threads != 0) deo.threads = a.draft_threads;
+    deo.pool = draft_pool(a, model.pool());
+    deo.threads = a.draft_threads;
     set_draft_weight_formats(deo, a, *draft_weights);
     draft_engine.emplace(std::move(*draft_weights), deo);
   }
@@ -48,7 +48,7 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   std::optional<medusa_llama::eagle_engine> eagle_engine;
   if (want_medusa && !a.eagle.empty())
     eagle_engine.emplace(medusa_llama::eagle_engine::load(
-        a.eagle, model.config(), {.threads = a.draft_threads, .pool = a.draft_threads == 0 ? &model.pool() : nullptr,
+        a.eagle, model.config(), {.threads = a.draft_threads, .pool = draft_pool(a, model.pool()),
          .weights = a.draft_weights.value_or(eagle_default_weights)}));
   tree_choice choice;
   if (auto_tree) {
