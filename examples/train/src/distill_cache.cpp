@@ -10,7 +10,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
