@@ -67,6 +67,7 @@ struct shape {
   int page_size = 0;   // 0: contiguous
   int kv_split = 0;
   attention_mask_kind mask = attention_mask_kind::tree;
+  bool single_query = true;  // plans of one token per request may use the single-query kernel
 };
 
 // A batch's caches, queries and masks in host memory, with the emulated kernels and the
@@ -252,7 +253,8 @@ struct batch_fixture {
     int max_n = 1;
     for (const request& r : req) max_n = std::max(max_n, r.n);
     return {.batch = B, .max_tokens = T, .max_tokens_per_request = max_n, .max_kv_length = s.capacity,
-            .num_q_heads = s.hq, .num_kv_heads = s.hkv, .head_dim = s.dim, .mask = s.mask, .kv_split = s.kv_split};
+            .num_q_heads = s.hq, .num_kv_heads = s.hkv, .head_dim = s.dim, .mask = s.mask, .kv_split = s.kv_split,
+            .single_query_kernel = s.single_query};
   }
 
   // The kernels through the emulation (host compilers only: under nvcc the bodies are device
@@ -431,6 +433,16 @@ inline batch_fixture<medusa::half> replay_fixture(std::mt19937& rng) {
   return batch_fixture<medusa::half>(s, {{50, 7, {-1, 0, 0, 1, 1, 2, 3}}, {120, 7, {-1, 0, 1, 2, 3, 4, 5}}}, rng);
 }
 inline std::vector<int> replay_lengths(int round) { return {50 + 40 * round, 120 + 40 * round}; }
+
+// Token i of the causal chunk `chunk` (request 0) decoded alone: its K/V and its query.
+template <class KV>
+batch_fixture<KV> one_of_chunk(const batch_fixture<KV>& chunk, int i, std::mt19937& rng) {
+  batch_fixture<KV> one(chunk.s, {{chunk.req[0].L + i, 1, {}}}, rng);
+  one.k = chunk.k;
+  one.v = chunk.v;
+  std::copy_n(chunk.q.data() + static_cast<std::size_t>(i * chunk.q_stride), chunk.s.hq * chunk.s.dim, one.q.data());
+  return one;
+}
 
 inline std::vector<request> random_batch(std::mt19937& rng, int B, int max_L, int max_n, bool tree) {
   std::vector<request> rs;

@@ -134,6 +134,73 @@ TEST_CASE("on the device, a tree node has the same bits as its row decoded alone
   }
 }
 
+TEST_CASE("on the device, the single-query kernel gives the general kernel's bits") {
+  // Decode batches: one query row per KV head (Llama-2-7B's heads) and groups of 4 and 8, 16-bit
+  // and float caches (64 keys a stage), splits of 128 and 512 keys.
+  std::mt19937 rng(25);
+  const std::vector<request> reqs = {{0, 1, {-1}}, {95, 1, {-1}}, {511, 1, {-1}}, {1000, 1, {-1}}, {2046, 1, {-1}}};
+  for (const int group : {1, 4, 8})
+    for (const int split : {128, 512}) {
+      CAPTURE(group);
+      CAPTURE(split);
+      shape s;
+      s.hkv = 4;
+      s.hq = 4 * group;
+      s.dim = 128;
+      s.capacity = 2048;
+      s.page_size = 16;
+      s.kv_split = split;
+      batch_fixture<medusa::bfloat16> f(s, reqs, rng);
+      const auto fast = run_on_device<medusa::bfloat16, medusa::bfloat16>(f);
+      f.s.single_query = false;
+      const auto general = run_on_device<medusa::bfloat16, medusa::bfloat16>(f);
+      CHECK(std::memcmp(fast.data(), general.data(), fast.size() * sizeof(float)) == 0);
+      for (int b = 0; b < f.B; ++b) check_close(f.rows_of(fast, b), f.naive(b), tolerance<medusa::bfloat16, medusa::bfloat16>());
+      batch_fixture<float> g(s, reqs, rng);
+      const auto fast32 = run_on_device(g);
+      g.s.single_query = false;
+      const auto general32 = run_on_device(g);
+      CHECK(std::memcmp(fast32.data(), general32.data(), fast32.size() * sizeof(float)) == 0);
+    }
+}
+
+TEST_CASE_TEMPLATE("on the device, small heads: the single-query kernel, the general one and a causal chunk agree", KV,
+                   float, medusa::bfloat16) {
+  // The shared models' heads: 8 query / 4 KV heads of 8 (stories260K) and 16 (tinystories-656K).
+  std::mt19937 rng(26);
+  for (const int dim : {8, 16}) {
+    CAPTURE(dim);
+    shape s;
+    s.hq = 8;
+    s.hkv = 4;
+    s.dim = dim;
+    s.capacity = 512;
+    s.kv_split = 128;
+    s.mask = attention_mask_kind::causal;
+    batch_fixture<KV> f(s, {{0, 1, {}}, {130, 1, {}}, {300, 1, {}}, {511, 1, {}}}, rng);
+    const auto fast = run_on_device(f);
+    f.s.single_query = false;
+    const auto general = run_on_device(f);
+    for (std::size_t i = 0; i < fast.size(); ++i)
+      if (std::memcmp(&fast[i], &general[i], sizeof(float)) != 0) {
+        CAPTURE(i);
+        CHECK(fast[i] == general[i]);
+        break;
+      }
+    for (int b = 0; b < f.B; ++b) check_close(f.rows_of(fast, b), f.naive(b), tolerance<KV, float>());
+    // a causal chunk of 40 tokens against its tokens decoded one at a time
+    batch_fixture<KV> chunk(s, {{100, 40, {}}}, rng);
+    const auto chunk_out = run_on_device(chunk);
+    for (int i = 0; i < 40; i += 3) {
+      batch_fixture<KV> one = one_of_chunk(chunk, i, rng);
+      const auto one_out = run_on_device(one);
+      CAPTURE(i);
+      CHECK(std::memcmp(one_out.data(), chunk_out.data() + static_cast<std::size_t>(i * chunk.out_stride),
+                        static_cast<std::size_t>(s.hq * s.dim) * sizeof(float)) == 0);
+    }
+  }
+}
+
 TEST_CASE("a captured attention launch replays over new lengths and queries") {
   std::mt19937 rng(24);
   auto f = replay_fixture(rng);

@@ -265,6 +265,59 @@ TEST_CASE_TEMPLATE("16-byte and element-wise K/V reads give the same bits", KV, 
     }
 }
 
+TEST_CASE_TEMPLATE("the single-query kernel gives the general kernel's bits", KV, float, medusa::bfloat16) {
+  // Decode batches (one token a request) under each mask, across group sizes, head dims (36: the
+  // element-wise reads of 16-bit caches), splits longer than a stage (float rows of 128: 64 keys a
+  // stage) and lengths around the tiles, stages and splits; contiguous and paged caches.
+  std::mt19937 rng(41);
+  struct config {
+    int hq, hkv, dim, split;
+    attention_mask_kind mask;
+  };
+  std::vector<config> configs = {{1, 1, 128, 256, attention_mask_kind::causal},
+                                 {8, 1, 64, 128, attention_mask_kind::tree},
+                                 {4, 2, 36, 64, attention_mask_kind::flashinfer},
+                                 {6, 3, 32, 32, attention_mask_kind::causal},
+                                 {8, 4, 8, 128, attention_mask_kind::causal},     // stories260K's heads
+                                 {8, 4, 16, 128, attention_mask_kind::tree}};     // tinystories-656K's
+  if (!sanitized) configs.push_back({16, 1, 128, 96, attention_mask_kind::tree});  // G = 16: the general kernel
+  for (const config& c : configs)
+    for (const int page : {0, 16}) {
+      CAPTURE(c.hq);
+      CAPTURE(c.hkv);
+      CAPTURE(c.dim);
+      CAPTURE(c.split);
+      CAPTURE(page);
+      shape s;
+      s.hq = c.hq;
+      s.hkv = c.hkv;
+      s.dim = c.dim;
+      s.capacity = 300;
+      s.page_size = page;
+      s.kv_split = c.split;
+      s.mask = c.mask;
+      const std::vector<request> reqs = {{0, 1, {-1}}, {31, 1, {-1}}, {64, 1, {-1}}, {130, 1, {-1}}, {299, 1, {-1}}};
+      batch_fixture<KV> f(s, reqs, rng);
+      if (c.mask == attention_mask_kind::flashinfer)  // random bits, prefix included
+        for (int b = 0; b < f.B; ++b)
+          for (int key = 0; key <= reqs[static_cast<std::size_t>(b)].L; ++key) f.set_custom(b, 0, key, rng() % 3 != 0);
+      mk::attention_plan plan;
+      const auto fast = f.template emulate<float>(0.0f, &plan);
+      CHECK(plan.single_query == (c.hq / c.hkv <= mk::attention_single_query_group_max));
+      f.s.single_query = false;
+      mk::attention_plan general_plan;
+      const auto general = f.template emulate<float>(0.0f, &general_plan);
+      REQUIRE_FALSE(general_plan.single_query);
+      CHECK(std::memcmp(fast.data(), general.data(), fast.size() * sizeof(float)) == 0);
+      for (int b = 0; b < f.B; ++b) check_close(f.rows_of(fast, b), f.naive(b), tolerance<KV, float>());
+      if (c.dim % 8 == 0) {  // and over K and V read element by element
+        f.s.single_query = true;
+        const auto elementwise = f.template emulate<float>(0.0f, nullptr, true);
+        CHECK(std::memcmp(fast.data(), elementwise.data(), fast.size() * sizeof(float)) == 0);
+      }
+    }
+}
+
 TEST_CASE("a causal chunk has the same bits as decoding its tokens one at a time") {
   std::mt19937 rng(15);
   shape s;
@@ -277,10 +330,7 @@ TEST_CASE("a causal chunk has the same bits as decoding its tokens one at a time
   batch_fixture<medusa::bfloat16> chunk(s, {{50, 40, {}}}, rng);
   const auto chunk_out = chunk.template emulate<float>();
   for (int i = 0; i < 40; i += 7) {
-    batch_fixture<medusa::bfloat16> one(s, {{50 + i, 1, {}}}, rng);
-    one.k = chunk.k;
-    one.v = chunk.v;
-    std::copy_n(chunk.q.data() + static_cast<std::size_t>(i * chunk.q_stride), s.hq * s.dim, one.q.data());
+    batch_fixture<medusa::bfloat16> one = one_of_chunk(chunk, i, rng);
     const auto one_out = one.template emulate<float>();
     CAPTURE(i);
     CHECK(std::memcmp(one_out.data(), chunk_out.data() + static_cast<std::size_t>(i * chunk.out_stride),

@@ -39,6 +39,13 @@ __global__ void __launch_bounds__(kernels::attention_threads, kernels::attention
 }
 
 template <int DC, class Mask, class KV, class O>
+__global__ void __launch_bounds__(kernels::attention_threads, kernels::attention_min_blocks)
+    attention_single_query_kernel(const kernels::attention_plan plan, const kernels::attention_params<KV, O> a) {
+  device_context ctx;
+  kernels::attention_single_query_with<DC, Mask>(ctx, plan, a);
+}
+
+template <int DC, class Mask, class KV, class O>
 __global__ void __launch_bounds__(kernels::attention_threads)
     attention_merge_kernel(const kernels::attention_plan plan, const kernels::attention_params<KV, O> a) {
   device_context ctx;
@@ -47,9 +54,10 @@ __global__ void __launch_bounds__(kernels::attention_threads)
 
 }  // namespace detail
 
-//! Launches the attention of `params` with the shapes of `plan` on `stream`: the main kernel,
-//! then the merge when some row may span several key splits. The caller's `workspace` holds
-//! `plan.workspace_bytes` (0 allowed when the plan needs none).
+//! Launches the attention of `params` with the shapes of `plan` on `stream`: the main kernel (the
+//! single-query one for plans of one token per request), then the merge when some row may span
+//! several key splits. The caller's `workspace` holds `plan.workspace_bytes` (0 allowed when the
+//! plan needs none).
 //! @return `cudaErrorInvalidValue`, with nothing launched, for null pointers the run needs, a
 //!         short workspace, a batch outside [1, plan batch], a cache of another element size or
 //!         shape, or row strides below heads × head_dim; otherwise the launch status. Never
@@ -80,8 +88,17 @@ cudaError_t run(const kernels::attention_plan& plan, kernels::attention_params<K
   return kernels::with_attention_variant(plan, [&](auto dc, auto mask) -> cudaError_t {
     constexpr int DC = decltype(dc)::value;
     using Mask = decltype(mask);
-    detail::attention_main_kernel<DC, Mask, KV, O>
-        <<<main_grid, plan.main.threads, plan.main.shared_bytes, stream>>>(plan, params);
+    if (plan.single_query) {
+      const auto kernel = detail::attention_single_query_kernel<DC, Mask, KV, O>;
+      // Its stages take more than the default 48 KiB: opt in once per instance, for the most any
+      // plan asks (a device without that much shared memory refuses here).
+      static const cudaError_t opt_in = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kernels::attention_single_query_shared_max));
+      if (opt_in != cudaSuccess) return opt_in;
+      kernel<<<main_grid, plan.main.threads, plan.main.shared_bytes, stream>>>(plan, params);
+    } else
+      detail::attention_main_kernel<DC, Mask, KV, O>
+          <<<main_grid, plan.main.threads, plan.main.shared_bytes, stream>>>(plan, params);
     if (plan.splits > 1)
       detail::attention_merge_kernel<DC, Mask, KV, O><<<merge_grid, plan.merge.threads, 0, stream>>>(plan, params);
     return cudaGetLastError();

@@ -26,7 +26,9 @@
 //! multiples of `kv_split`; splits are merged by a second kernel in split order. A row's result
 //! therefore has the same bits whether it is computed alone (plain decoding), in a tree or in a
 //! causal chunk: greedy Medusa decoding reproduces plain decoding exactly when the projections
-//! are batch-invariant too. Keep `kv_split` fixed in an engine for that reason. K and V rows are
+//! are batch-invariant too. Keep `kv_split` fixed in an engine for that reason. Plans of one token
+//! per request run `attention_single_query_with` instead, which spreads a row over the whole block
+//! with the same keys, tiles, splits and operations, so the same bits. K and V rows are
 //! read 16 bytes a thread where head_dim, the cache's strides and addresses allow it
 //! (`attention_kv_vectorized`), element by element otherwise: the same values, the same bits.
 //!
@@ -85,6 +87,21 @@ inline constexpr int attention_min_blocks = 4;
 inline constexpr int attention_head_dim_max = 128;
 //! Dynamic shared memory a main-kernel block may use (the default limit of every device).
 inline constexpr std::size_t attention_shared_max = 48 * 1024;
+//! Most query heads per KV head the single-query kernel takes (each thread scores its key for all).
+inline constexpr int attention_single_query_group_max = 8;
+//! Keys the single-query kernel scores at once: one a thread.
+inline constexpr int attention_single_query_keys = attention_threads;
+//! Bytes of the single-query kernel's V stage in shared memory (128 keys of 128 16-bit columns);
+//! its K stage holds as many keys, each row padded by 16 bytes against bank conflicts.
+inline constexpr std::size_t attention_single_query_v_bytes = 32 * 1024;
+inline constexpr std::size_t attention_single_query_k_bytes =
+    attention_single_query_v_bytes + attention_single_query_keys * 16;
+//! The most dynamic shared memory a single-query block uses (75 KiB: above the default 48 KiB, so
+//! the launcher opts in; every sm_80+ device has room).
+inline constexpr std::size_t attention_single_query_shared_max =
+    attention_single_query_keys * sizeof(std::size_t) + attention_single_query_k_bytes +
+    attention_single_query_v_bytes +
+    attention_single_query_group_max * (attention_head_dim_max + attention_single_query_keys) * sizeof(float);
 
 //! Which keys among the new tokens a query sees (see the file comment).
 enum class attention_mask_kind : std::int32_t { causal, tree, flashinfer };
@@ -108,6 +125,11 @@ struct attention_problem {
   //! Keys per split (a multiple of 32); 0 = chosen from `max_kv_length`. A row's result depends
   //! on it, so an engine that wants plain and tree passes to agree bit for bit keeps it fixed.
   int kv_split = 0;
+  //! Plans of one query token per request (plain decoding) with at most
+  //! `attention_single_query_group_max` query heads per KV head run the single-query kernel,
+  //! which spreads a row's work over the whole block; false keeps the general kernel. Both give
+  //! the same bits.
+  bool single_query_kernel = true;
 };
 
 //! Launch shapes and workspace of an attention run (made by `plan_attention`).
@@ -119,6 +141,7 @@ struct attention_plan {
   int row_tiles = 0;          //!< row tiles per request and KV head: ceil(max_tokens_per_request·G / rows_per_block)
   int splits = 0;             //!< key splits per request at most: ceil(max_kv_length / kv_split)
   int dim_chunks = 0;         //!< 32-column slices of head_dim each lane holds (1, 2 or 4)
+  bool single_query = false;  //!< the main kernel is the single-query one (grid: splits × (B × KV heads))
   launch_shape main;          //!< grid (row_tiles × splits, B × KV heads)
   launch_shape merge;         //!< grid over max_tokens × query heads rows, one warp a row
   std::size_t workspace_bytes = 0;  //!< partial outputs of rows with more than one split
@@ -163,6 +186,15 @@ inline std::size_t attention_shared_bytes(int rows_per_block, int head_dim) noex
           + attention_key_tile * (d + 1)                       // K tile, padded against bank conflicts
           + attention_key_tile * d) * sizeof(float)            // V tile
          + attention_key_tile * sizeof(std::size_t);           // row offsets of the tile's keys
+}
+
+// Shared bytes of a single-query block: the stage's row offsets, its K and V rows, the G scaled
+// queries and the G × 128 scores.
+inline std::size_t attention_single_query_shared_bytes(int group, int head_dim) noexcept {
+  const auto g = static_cast<std::size_t>(group);
+  return attention_single_query_keys * sizeof(std::size_t) + attention_single_query_k_bytes +
+         attention_single_query_v_bytes +
+         g * (static_cast<std::size_t>(head_dim) + attention_single_query_keys) * sizeof(float);
 }
 
 }  // namespace detail
@@ -234,6 +266,12 @@ inline std::size_t attention_shared_bytes(int rows_per_block, int head_dim) noex
                .grid_y = static_cast<int>(grid_y),
                .threads = attention_threads,
                .shared_bytes = detail::attention_shared_bytes(plan.rows_per_block, p.head_dim)};
+  if (p.single_query_kernel && p.max_tokens_per_request == 1 && plan.group <= attention_single_query_group_max) {
+    plan.single_query = true;
+    plan.row_tiles = 1;
+    plan.main.grid_x = plan.splits;
+    plan.main.shared_bytes = detail::attention_single_query_shared_bytes(plan.group, p.head_dim);
+  }
   plan.merge = {.grid_x = static_cast<int>((merge_rows + attention_warps - 1) / attention_warps),
                 .grid_y = 1,
                 .threads = attention_threads,
@@ -348,6 +386,20 @@ struct attention_request {
   int length = 0;  // L_b
 };
 
+// The request and KV head of this block's row of the grid (y = request × KV heads + KV head):
+// false for a row beyond the batch.
+template <class Ctx, class KV, class O>
+MEDUSA_KERNEL_FN bool attention_block_request(Ctx& ctx, const attention_params<KV, O>& a, int kv_heads,
+                                              attention_request& r) {
+  r.b = ctx.block_y() / kv_heads;
+  r.g = ctx.block_y() % kv_heads;
+  if (r.b >= a.batch) return false;
+  r.first = a.qo_indptr[r.b];
+  r.tokens = a.qo_indptr[r.b + 1] - r.first;
+  r.length = a.cache_lengths[r.b];
+  return true;
+}
+
 // The packed mask row of node i of request r (tree masks).
 template <class KV, class O>
 MEDUSA_KERNEL_FN const std::uint32_t* attention_tree_row(const attention_params<KV, O>& a, const attention_request& r,
@@ -441,11 +493,12 @@ MEDUSA_KERNEL_FN float attention_warp_max(Ctx& ctx, float v) {
 
 // One 32-key tile of one row: lane j holds the score of key j (base-2 units; `valid` false for a
 // key the row does not see), `row_of(j)` gives key j's V row (called by every lane for every j, so
-// it may use warp operations). The only place the softmax and P·V are computed, so a key
-// contributes the same bits from every path.
+// it may use warp operations). The state's column slice c is head_dim slice `chunk0 + c` (the
+// single-query kernel gives each warp one slice of a row). The only place the softmax and P·V are
+// computed, so a key contributes the same bits from every path.
 template <int DC, class Ctx, class RowOf>
 MEDUSA_KERNEL_FN void attention_tile(Ctx& ctx, attention_row_state<DC>& s, float score, bool valid, int head_dim,
-                                     RowOf&& row_of) {
+                                     RowOf&& row_of, int chunk0 = 0) {
   const std::uint32_t seen = ctx.ballot(valid);
   if (seen == 0) return;
   const bool nan = valid && score != score;
@@ -457,7 +510,7 @@ MEDUSA_KERNEL_FN void attention_tile(Ctx& ctx, attention_row_state<DC>& s, float
   const float alpha = s.m == attention_neg_inf ? 0.0f : exp2f(s.m - m_new);
   const float p = valid ? exp2f(score - m_new) : 0.0f;
   const float sum = attention_warp_sum(ctx, p);
-  s.l = s.l * alpha + sum;
+  s.l = attention_fma(s.l, alpha, sum);  // one rounding, whatever a compiler would contract
   s.m = m_new;
   MEDUSA_UNROLL
   for (int c = 0; c < DC; ++c) s.o[c] *= alpha;
@@ -468,7 +521,7 @@ MEDUSA_KERNEL_FN void attention_tile(Ctx& ctx, attention_row_state<DC>& s, float
     if (((seen >> j) & 1u) == 0) continue;  // the same for every lane
     MEDUSA_UNROLL
     for (int c = 0; c < DC; ++c) {
-      const int d = ctx.lane() + c * warp_size;
+      const int d = ctx.lane() + (chunk0 + c) * warp_size;
       if (d < head_dim) s.o[c] = attention_fma(pj, load_float(row[d]), s.o[c]);
     }
   }
@@ -530,12 +583,7 @@ MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, 
   const int G = plan.group;
   const int split = plan.problem.kv_split;
   attention_request r;
-  r.b = ctx.block_y() / hkv;
-  r.g = ctx.block_y() % hkv;
-  if (r.b >= a.batch) return;
-  r.first = a.qo_indptr[r.b];
-  r.tokens = a.qo_indptr[r.b + 1] - r.first;
-  r.length = a.cache_lengths[r.b];
+  if (!attention_block_request(ctx, a, hkv, r)) return;
   const int tile = ctx.block_x() / plan.splits;
   const int c = ctx.block_x() % plan.splits;
   const int R = plan.rows_per_block;
@@ -725,6 +773,177 @@ MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, 
   }
 }
 
+//! The single-query body (launch shape `plan.main` of a plan with `single_query`): block (x, y)
+//! takes split x of request y / KV heads' one query token, KV head y mod KV heads, and all G query
+//! heads of that KV head. Its keys pass in stages of up to 128, their K and V rows copied into
+//! shared memory asynchronously, all at once; each thread then scores one key for the G rows, and
+//! each warp carries 32-column slices of the rows through the stage's 32-key tiles. A row sees the
+//! same keys, cut into the same tiles and splits, and every score and column goes through the same
+//! operations as in `attention_main_with`, so the two kernels give the same bits; this one keeps
+//! all four warps busy when a KV head has one query row (plain decoding without grouped heads) and
+//! has a stage's loads in flight together.
+//! @tparam DC 32-column slices of head_dim (`plan.dim_chunks`)
+template <int DC, class Mask, class Ctx, class KV, class O>
+MEDUSA_KERNEL_FN void attention_single_query_with(Ctx& ctx, const attention_plan& plan,
+                                                  const attention_params<KV, O>& a) {
+  using namespace detail;
+  constexpr int GM = attention_single_query_group_max;
+  constexpr int SK = attention_single_query_keys;
+  constexpr int KT = attention_key_tile;
+  constexpr int UM = GM * DC / attention_warps;  // (row, column slice) units a warp carries at most
+  const int hkv = plan.problem.num_kv_heads;
+  const int D = plan.problem.head_dim;
+  const int G = plan.group;
+  const int split = plan.problem.kv_split;
+  attention_request r;
+  if (!attention_block_request(ctx, a, hkv, r)) return;
+  if (r.tokens <= 0 || r.length < 0) return;  // the same for every thread
+  const int key_end = r.length + r.tokens;
+  if (r.first + r.tokens > plan.problem.max_tokens || r.tokens > plan.problem.max_tokens_per_request ||
+      key_end > plan.problem.max_kv_length)
+    return;  // beyond the plan's bounds, as in the general kernel
+  // One query: key k of the row is slot k under every mask (a tree of one node sees the prefix and
+  // itself), and the row's keys end at `keys`.
+  const int keys = attention_key_count<Mask>(a, r, 0);
+  const int split_begin = ctx.block_x() * split;
+  if (split_begin >= keys) return;
+  const int split_end = attention_imin(split_begin + split, keys);
+
+  // Shared: the stage's row offsets [SK], its K rows [SK][D + pad], its V rows [SK][D], the scaled
+  // queries [G][D], the scores [G][SK].
+  auto* const off_s = static_cast<std::size_t*>(ctx.shared());
+  KV* const k_s = reinterpret_cast<KV*>(off_s + SK);
+  KV* const v_s = reinterpret_cast<KV*>(reinterpret_cast<unsigned char*>(k_s) + attention_single_query_k_bytes);
+  float* const q_s =
+      reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(v_s) + attention_single_query_v_bytes);
+  float* const s_s = q_s + static_cast<std::size_t>(G) * static_cast<std::size_t>(D);
+  const float scale = (a.scale > 0.0f ? a.scale : 1.0f / sqrtf(static_cast<float>(D))) * attention_log2e;
+  for (int e = ctx.thread(); e < G * D; e += ctx.threads()) {
+    const int j = e / D, d = e % D;
+    q_s[e] = a.q[static_cast<std::size_t>(r.first) * static_cast<std::size_t>(a.q_row_stride) +
+                 static_cast<std::size_t>(r.g * G + j) * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)] *
+             scale;
+  }
+
+  const KV* const kg = static_cast<const KV*>(a.kv.k);
+  const KV* const vg = static_cast<const KV*>(a.kv.v);
+  const bool vectorized = attention_kv_vectorized<KV>(a.kv, D);
+  constexpr int per = vector16<KV>::size;
+  // Keys a stage holds: as many whole tiles as the V stage fits, at most one a thread.
+  const int fit = static_cast<int>(attention_single_query_v_bytes / (static_cast<std::size_t>(D) * sizeof(KV))) / KT * KT;
+  const int stage_keys = attention_imin(fit, SK);
+  const int k_pitch = D + 16 / static_cast<int>(sizeof(KV));
+  const int slices = (D + warp_size - 1) / warp_size;
+  const int units = G * slices;  // unit u: row u / slices, columns slice u mod slices
+  attention_row_state<1> st[UM];
+  for (int s0 = split_begin; s0 < split_end; s0 += stage_keys) {
+    const int n = attention_imin(stage_keys, split_end - s0);
+    ctx.sync();  // the previous stage's offsets, K and V rows and scores are no longer read
+    if (ctx.thread() < n) {
+      const int slot = s0 + ctx.thread();
+      bool seen = slot < key_end && batch_kv_slot_ok(a.kv, r.b, slot);
+      if constexpr (Mask::value == attention_mask_kind::flashinfer) seen = seen && attention_custom_bit(a, r, 0, slot);
+      off_s[ctx.thread()] = seen ? batch_kv_row_offset(a.kv, r.b, a.layer, slot, r.g) : ~std::size_t{0};
+    }
+    ctx.sync();
+    // The stage's K and V rows.
+    if (vectorized) {
+      const int row_vectors = D / per;
+      for (int e = ctx.thread(); e < n * row_vectors; e += ctx.threads()) {
+        const int j = e / row_vectors, d0 = e % row_vectors * per;
+        const std::size_t off = off_s[j];
+        if (off == ~std::size_t{0}) continue;
+        ctx.copy_async16(k_s + j * k_pitch + d0, kg + off + static_cast<std::size_t>(d0), true);
+        ctx.copy_async16(v_s + j * D + d0, vg + off + static_cast<std::size_t>(d0), true);
+      }
+      ctx.async_commit();
+      ctx.template async_wait<0>();
+    } else {
+      for (int e = ctx.thread(); e < n * D; e += ctx.threads()) {
+        const int j = e / D, d = e % D;
+        const std::size_t off = off_s[j];
+        if (off == ~std::size_t{0}) continue;
+        k_s[j * k_pitch + d] = kg[off + static_cast<std::size_t>(d)];
+        v_s[e] = vg[off + static_cast<std::size_t>(d)];
+      }
+    }
+    ctx.sync();
+    // This thread's key: its G scores, each summed over head_dim in order of d.
+    if (ctx.thread() < n) {
+      float score[GM];
+      MEDUSA_UNROLL
+      for (int j = 0; j < GM; ++j) score[j] = 0.0f;
+      if (off_s[ctx.thread()] != ~std::size_t{0}) {
+        const KV* const k = k_s + ctx.thread() * k_pitch;
+        if (vectorized) {
+          for (int d0 = 0; d0 < D; d0 += per) {
+            const vector16<KV> kv = load_vector16(k + d0);
+            MEDUSA_UNROLL
+            for (int e = 0; e < per; ++e) {
+              const float kd = load_float(kv.e[e]);
+              MEDUSA_UNROLL
+              for (int j = 0; j < GM; ++j)
+                if (j < G) score[j] = attention_fma(q_s[j * D + d0 + e], kd, score[j]);
+            }
+          }
+        } else {
+          for (int d = 0; d < D; ++d) {
+            const float kd = load_float(k[d]);
+            MEDUSA_UNROLL
+            for (int j = 0; j < GM; ++j)
+              if (j < G) score[j] = attention_fma(q_s[j * D + d], kd, score[j]);
+          }
+        }
+      }
+      MEDUSA_UNROLL
+      for (int j = 0; j < GM; ++j)
+        if (j < G) s_s[j * SK + ctx.thread()] = score[j];
+    }
+    ctx.sync();  // the scores visible to every warp
+    // Each warp's units through the stage's tiles, in key order.
+    MEDUSA_UNROLL
+    for (int k = 0; k < UM; ++k) {
+      const int u = ctx.warp() + k * attention_warps;
+      if (u >= units) break;  // the same for the whole warp
+      const int j = u / slices, slice = u % slices;
+      for (int t0 = 0; t0 < n; t0 += KT) {
+        const int kj = t0 + ctx.lane();
+        const bool valid = kj < n && off_s[kj] != ~std::size_t{0};
+        attention_tile<1>(ctx, st[k], valid ? s_s[j * SK + kj] : 0.0f, valid, D,
+                          [&](int i) -> const KV* { return v_s + (t0 + i) * D; },
+                          slice);
+      }
+    }
+  }
+  // Results: the output when the row's keys fit one split, else this split's partial.
+  const int nsplits = (keys + split - 1) / split;
+  MEDUSA_UNROLL
+  for (int k = 0; k < UM; ++k) {
+    const int u = ctx.warp() + k * attention_warps;
+    if (u >= units) break;
+    const int j = u / slices, slice = u % slices;
+    const int h = r.g * G + j;
+    const int d = ctx.lane() + slice * warp_size;
+    if (nsplits == 1) {
+      const float l = st[k].l;
+      if (d < D)
+        a.out[static_cast<std::size_t>(r.first) * static_cast<std::size_t>(a.out_row_stride) +
+              static_cast<std::size_t>(h) * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)] =
+            store_float<O>(l > 0.0f || l != l ? st[k].o[0] / l : 0.0f);
+    } else {
+      const std::size_t cell =
+          (static_cast<std::size_t>(r.first) * static_cast<std::size_t>(plan.problem.num_q_heads) +
+           static_cast<std::size_t>(h)) * static_cast<std::size_t>(plan.splits) +
+          static_cast<std::size_t>(ctx.block_x());
+      if (d < D) a.partial_out[cell * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)] = st[k].o[0];
+      if (slice == 0 && ctx.lane() == 0) {
+        a.partial_ml[2 * cell] = st[k].m;
+        a.partial_ml[2 * cell + 1] = st[k].l;
+      }
+    }
+  }
+}
+
 //! The merge body (launch shape `plan.merge`): one warp per (token, query head) row whose keys
 //! span several splits combines the splits' partial outputs in split order.
 template <int DC, class Mask, class Ctx, class KV, class O>
@@ -749,23 +968,42 @@ MEDUSA_KERNEL_FN void attention_merge_with(Ctx& ctx, const attention_plan& plan,
   if (nsplits <= 1) return;
   const std::size_t cell0 = (static_cast<std::size_t>(t) * static_cast<std::size_t>(hq) + static_cast<std::size_t>(h)) *
                             static_cast<std::size_t>(plan.splits);
+  // The largest split maximum, the lanes reading 32 splits at a time (a split's maximum is never
+  // NaN, so the order of the comparisons does not matter).
   float m = attention_neg_inf;
-  for (int c = 0; c < nsplits; ++c) m = attention_max(m, a.partial_ml[2 * (cell0 + static_cast<std::size_t>(c))]);
+  for (int c0 = 0; c0 < nsplits; c0 += warp_size) {
+    const int c = c0 + ctx.lane();
+    const float mc = c < nsplits ? a.partial_ml[2 * (cell0 + static_cast<std::size_t>(c))] : attention_neg_inf;
+    m = attention_max(m, attention_warp_max(ctx, mc));
+  }
   float l = 0.0f;
   float o[DC] = {};
   bool nan = false;
-  for (int c = 0; c < nsplits; ++c) {
-    const std::size_t cell = cell0 + static_cast<std::size_t>(c);
-    const float mc = a.partial_ml[2 * cell], lc = a.partial_ml[2 * cell + 1];
-    if (lc != lc) nan = true;
-    if (!(mc > attention_neg_inf)) continue;  // a split that saw nothing
-    const float w = exp2f(mc - m);
-    l = attention_fma(lc, w, l);
-    const float* po = a.partial_out + cell * static_cast<std::size_t>(D);
+  // The splits in order, their partials loaded a batch at a time so that the loads overlap.
+  constexpr int batch = 4;
+  for (int c0 = 0; c0 < nsplits; c0 += batch) {
+    float mc[batch], lc[batch], po[batch][DC];
     MEDUSA_UNROLL
-    for (int cc = 0; cc < DC; ++cc) {
-      const int d = ctx.lane() + cc * warp_size;
-      if (d < D) o[cc] = attention_fma(po[d], w, o[cc]);
+    for (int i = 0; i < batch; ++i) {
+      const std::size_t cell = cell0 + static_cast<std::size_t>(c0 + i);
+      const bool in = c0 + i < nsplits;
+      mc[i] = in ? a.partial_ml[2 * cell] : attention_neg_inf;
+      lc[i] = in ? a.partial_ml[2 * cell + 1] : 0.0f;
+      MEDUSA_UNROLL
+      for (int cc = 0; cc < DC; ++cc) {
+        const int d = ctx.lane() + cc * warp_size;
+        po[i][cc] = in && d < D ? a.partial_out[cell * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)] : 0.0f;
+      }
+    }
+    MEDUSA_UNROLL
+    for (int i = 0; i < batch; ++i) {
+      if (c0 + i >= nsplits) break;
+      if (lc[i] != lc[i]) nan = true;
+      if (!(mc[i] > attention_neg_inf)) continue;  // a split that saw nothing
+      const float w = exp2f(mc[i] - m);
+      l = attention_fma(lc[i], w, l);
+      MEDUSA_UNROLL
+      for (int cc = 0; cc < DC; ++cc) o[cc] = attention_fma(po[i][cc], w, o[cc]);
     }
   }
   if (nan) l = attention_nan;
@@ -801,7 +1039,8 @@ decltype(auto) with_attention_variant(const attention_plan& plan, F&& f) {
 template <class Ctx, class KV, class O>
 void attention_main(Ctx& ctx, const attention_plan& plan, const attention_params<KV, O>& a) {
   with_attention_variant(plan, [&](auto dc, auto mask) {
-    attention_main_with<decltype(dc)::value, decltype(mask)>(ctx, plan, a);
+    if (plan.single_query) attention_single_query_with<decltype(dc)::value, decltype(mask)>(ctx, plan, a);
+    else attention_main_with<decltype(dc)::value, decltype(mask)>(ctx, plan, a);
   });
 }
 
