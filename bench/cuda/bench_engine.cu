@@ -19,8 +19,10 @@
 //                           on stderr)
 //
 // --gemm library|cublaslt: the engine's bf16 GEMMs through the library's skinny GEMM (default) or
-// cuBLASLt with one pinned algorithm per shape (both batch-invariant). --kv-split N: keys per
-// attention split (default: the engine's, from the context). --context N: the prompt's length
+// cuBLASLt with one pinned algorithm per shape (both batch-invariant). --attention
+// single-query|general: decode passes on the single-query attention kernel (default) or the
+// general one (the same bits). --kv-split N: keys per attention split (default: the engine's,
+// from the context). --context N: the prompt's length
 // (default 512; the engine's context grows past 2048 to hold it).
 //
 // The measured speedup with trained heads on pycode-15m comes from medusa-run --device cuda
@@ -82,6 +84,7 @@ std::optional<medusa::path_calibration> calibration;  // --calibration
 std::string step_cost_out;                            // --step-cost-out (the 7B curve)
 bool library_gemm = true;                             // --gemm library|cublaslt
 int kv_split = 0;                                     // --kv-split N (0: the engine's default)
+bool single_query_attention = true;                   // --attention single-query|general
 
 // The context a request may reach: the prompt, 64 new tokens and a 128-node tree, at least 2048.
 int max_context() { return std::max(2048, (context + 64 + 128 + 255) / 256 * 256); }
@@ -96,7 +99,8 @@ cuda_engine& engine_for(const shape& s) {
     e = std::make_unique<cuda_engine>(cuda_engine::synthetic(
         c,
         {.precision = medusa::dtype::bf16, .max_requests = 1, .max_context = max_context(), .max_tokens = 512,
-         .kv_split = kv_split, .library_gemm = library_gemm},
+         .kv_split = kv_split, .single_query_attention = single_query_attention,
+         .library_gemm = library_gemm},
         7));
   }
   return *e;
@@ -288,6 +292,13 @@ int main(int argc, char** argv) {
       return 2;
     }
     library_gemm = *f == "library";
+  }
+  if (auto f = take_flag(argc, argv, "--attention")) {
+    if (*f != "single-query" && *f != "general") {
+      std::fprintf(stderr, "--attention must be single-query or general, got %s\n", f->c_str());
+      return 2;
+    }
+    single_query_attention = *f == "single-query";
   }
   if (auto f = take_flag(argc, argv, "--kv-split")) {
     const std::optional<long> v = whole_number(*f, 32, 1 << 20);

@@ -55,6 +55,9 @@ struct cuda_engine_options {
   int max_context = 0;     //!< most slots of one request; 0 = the model's seq_len
   int max_tokens = 512;    //!< most tokens in one pass (sizes the activations); longer prefills run in passes
   int kv_split = 0;        //!< keys per attention split (a multiple of 32); 0 = from max_context
+  //! Decode passes (one token a request) run the library's single-query attention kernel, which
+  //! keeps a whole block busy on one query row; false runs the general kernel. The same bits.
+  bool single_query_attention = true;
   //! One cuBLASLt algorithm per weight shape for every pass size (no split-K): a row's logits do
   //! not depend on the pass it is in, so greedy Medusa reproduces plain decoding bit for bit.
   //! `false` lets cuBLASLt pick per pass size (faster small passes; outputs may differ in the

@@ -121,7 +121,8 @@ cuda_engine::cuda_engine(const model_config& c, const model* m, cuda_engine_opti
   p->ex = std::make_unique<device_executor>(o.device, o.max_tokens, o.batch_invariant, o.library_gemm);
   const cuda_detail::engine_limits lim{.max_requests = o.max_requests, .max_context = o.max_context,
                                        .max_tokens = o.max_tokens, .page_size = o.page_size,
-                                       .num_pages = o.num_pages, .kv_split = o.kv_split};
+                                       .num_pages = o.num_pages, .kv_split = o.kv_split,
+                                       .single_query_attention = o.single_query_attention};
   auto make = [&](auto element) -> std::unique_ptr<engine_iface> {
     using T = decltype(element);
     if (m != nullptr) return std::make_unique<engine_impl<T>>(*p->ex, cuda_detail::device_weights<device_executor, T>(*p->ex, *m), lim);

@@ -36,6 +36,7 @@ struct engine_limits {
   int page_size = 16;
   int num_pages = 0;
   int kv_split = 0;
+  bool single_query_attention = true;
 };
 
 template <class Exec, class T>
@@ -46,7 +47,8 @@ class engine_state {
   engine_state(Exec& ex, device_weights<Exec, T> w, const engine_limits& lim)
       : ex_(ex),
         core_(ex, std::move(w), {.max_tokens = lim.max_tokens, .max_batch = lim.max_requests,
-                                 .max_context = lim.max_context, .kv_split = lim.kv_split}),
+                                 .max_context = lim.max_context, .kv_split = lim.kv_split,
+                                 .single_query_attention = lim.single_query_attention}),
         lim_(lim),
         pages_(lim.num_pages, lim.page_size, lim.max_requests, lim.max_context) {
     const model_config& c = core_.config();

@@ -210,6 +210,7 @@ struct forward_sizes {
   int max_batch = 0;      // requests of one pass
   int max_context = 0;    // most keys of one request
   int kv_split = 0;       // keys per attention split (0: from max_context)
+  bool single_query_attention = true;  // decode passes on the single-query attention kernel
 };
 
 // The activations of one pass and the layer loop.
@@ -242,7 +243,8 @@ class forward_core {
                                                                  medusa::cuda::kernels::attention_mask_kind mask) const {
     return {.batch = batch, .max_tokens = tokens, .max_tokens_per_request = per_request,
             .max_kv_length = s_.max_context, .num_q_heads = c_.n_heads, .num_kv_heads = c_.n_kv_heads,
-            .head_dim = c_.head_dim(), .mask = mask, .kv_split = s_.kv_split};
+            .head_dim = c_.head_dim(), .mask = mask, .kv_split = s_.kv_split,
+            .single_query_kernel = s_.single_query_attention};
   }
 
   // Runs a pass (sizes checked by the caller: T ≤ max_tokens, B ≤ max_batch, slots mapped).
