@@ -832,6 +832,7 @@ MEDUSA_KERNEL_FN void attention_single_query_with(Ctx& ctx, const attention_plan
   // Keys a stage holds: as many whole tiles as the V stage fits, at most one a thread.
   const int fit = static_cast<int>(attention_single_query_v_bytes / (static_cast<std::size_t>(D) * sizeof(KV))) / KT * KT;
   const int stage_keys = attention_imin(fit, SK);
+  // K rows padded by 16 bytes: the 8 lanes of a 16-byte shared read then hit distinct banks.
   const int k_pitch = D + 16 / static_cast<int>(sizeof(KV));
   const int slices = (D + warp_size - 1) / warp_size;
   const int units = G * slices;  // unit u: row u / slices, columns slice u mod slices
