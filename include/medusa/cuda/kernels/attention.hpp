@@ -400,6 +400,14 @@ MEDUSA_KERNEL_FN bool attention_block_request(Ctx& ctx, const attention_params<K
   return true;
 }
 
+// Whether request r fits the plan's bounds. The kernels leave a request beyond them alone: its
+// splits or rows would not fit the grid and the workspace (the host launchers check what they
+// can see).
+MEDUSA_KERNEL_FN bool attention_in_plan(const attention_plan& plan, const attention_request& r) noexcept {
+  return r.length >= 0 && r.tokens <= plan.problem.max_tokens_per_request &&
+         r.first + r.tokens <= plan.problem.max_tokens && r.length + r.tokens <= plan.problem.max_kv_length;
+}
+
 // The packed mask row of node i of request r (tree masks).
 template <class KV, class O>
 MEDUSA_KERNEL_FN const std::uint32_t* attention_tree_row(const attention_params<KV, O>& a, const attention_request& r,
@@ -476,6 +484,39 @@ struct attention_row_state {
   float l = 0.0f;
   float o[DC] = {};
 };
+
+// Writes the state of row (token t, query head h) for key split c: the output when the row's keys
+// fit one split (`nsplits` == 1), else the split's partial for the merge. The state's column slice
+// i is head_dim slice `chunk0 + i`; the holder of slice 0 writes the maximum and the sum.
+template <int DC, class Ctx, class KV, class O>
+MEDUSA_KERNEL_FN void attention_store_row(Ctx& ctx, const attention_plan& plan, const attention_params<KV, O>& a,
+                                          int t, int h, int c, int nsplits, const attention_row_state<DC>& s,
+                                          int chunk0 = 0) {
+  const int D = plan.problem.head_dim;
+  if (nsplits == 1) {
+    O* const dst = a.out + static_cast<std::size_t>(t) * static_cast<std::size_t>(a.out_row_stride) +
+                   static_cast<std::size_t>(h) * static_cast<std::size_t>(D);
+    MEDUSA_UNROLL
+    for (int i = 0; i < DC; ++i) {
+      const int d = ctx.lane() + (chunk0 + i) * warp_size;
+      if (d < D) dst[d] = store_float<O>(s.l > 0.0f || s.l != s.l ? s.o[i] / s.l : 0.0f);
+    }
+    return;
+  }
+  const std::size_t cell = (static_cast<std::size_t>(t) * static_cast<std::size_t>(plan.problem.num_q_heads) +
+                            static_cast<std::size_t>(h)) * static_cast<std::size_t>(plan.splits) +
+                           static_cast<std::size_t>(c);
+  float* const po = a.partial_out + cell * static_cast<std::size_t>(D);
+  MEDUSA_UNROLL
+  for (int i = 0; i < DC; ++i) {
+    const int d = ctx.lane() + (chunk0 + i) * warp_size;
+    if (d < D) po[d] = s.o[i];
+  }
+  if (chunk0 == 0 && ctx.lane() == 0) {
+    a.partial_ml[2 * cell] = s.m;
+    a.partial_ml[2 * cell + 1] = s.l;
+  }
+}
 
 // Sum of a value over the warp; every lane gets the same bits (each level adds the same pair).
 template <class Ctx>
@@ -589,13 +630,8 @@ MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, 
   const int R = plan.rows_per_block;
   const int row0 = tile * R;
   const int rows = r.tokens * G;
-  if (r.tokens <= 0 || row0 >= rows || r.length < 0) return;  // the same for every thread
-  const int key_end = r.length + r.tokens;                      // slots the request has written
-  // A request beyond the plan's bounds is left alone: its splits or rows would not fit the grid
-  // and the workspace (the host launchers check what they can see).
-  if (r.first + r.tokens > plan.problem.max_tokens || r.tokens > plan.problem.max_tokens_per_request ||
-      key_end > plan.problem.max_kv_length)
-    return;
+  if (r.tokens <= 0 || row0 >= rows || !attention_in_plan(plan, r)) return;  // the same for every thread
+  const int key_end = r.length + r.tokens;  // slots the request has written
   const int split_begin = c * split;
   if (split_begin >= key_end) return;
   const int split_end = split_begin + split;
@@ -744,32 +780,8 @@ MEDUSA_KERNEL_FN void attention_main_with(Ctx& ctx, const attention_plan& plan, 
     if (!live[j]) continue;
     const int nsplits = (keys[j] + split - 1) / split;
     if (c >= nsplits) continue;
-    const int t = r.first + node[j];
-    const int h = r.g * G + (row0 + ctx.warp() * plan.rows_per_warp + j) % G;
-    if (nsplits == 1) {
-      O* dst = a.out + static_cast<std::size_t>(t) * static_cast<std::size_t>(a.out_row_stride) +
-               static_cast<std::size_t>(h) * static_cast<std::size_t>(D);
-      const float l = st[j].l;
-      MEDUSA_UNROLL
-      for (int cc = 0; cc < DC; ++cc) {
-        const int d = ctx.lane() + cc * warp_size;
-        if (d < D) dst[d] = store_float<O>(l > 0.0f || l != l ? st[j].o[cc] / l : 0.0f);
-      }
-    } else {
-      const std::size_t cell = (static_cast<std::size_t>(t) * static_cast<std::size_t>(plan.problem.num_q_heads) +
-                                static_cast<std::size_t>(h)) * static_cast<std::size_t>(plan.splits) +
-                               static_cast<std::size_t>(c);
-      float* po = a.partial_out + cell * static_cast<std::size_t>(D);
-      MEDUSA_UNROLL
-      for (int cc = 0; cc < DC; ++cc) {
-        const int d = ctx.lane() + cc * warp_size;
-        if (d < D) po[d] = st[j].o[cc];
-      }
-      if (ctx.lane() == 0) {
-        a.partial_ml[2 * cell] = st[j].m;
-        a.partial_ml[2 * cell + 1] = st[j].l;
-      }
-    }
+    attention_store_row(ctx, plan, a, r.first + node[j], r.g * G + (row0 + ctx.warp() * plan.rows_per_warp + j) % G, c,
+                        nsplits, st[j]);
   }
 }
 
@@ -797,11 +809,8 @@ MEDUSA_KERNEL_FN void attention_single_query_with(Ctx& ctx, const attention_plan
   const int split = plan.problem.kv_split;
   attention_request r;
   if (!attention_block_request(ctx, a, hkv, r)) return;
-  if (r.tokens <= 0 || r.length < 0) return;  // the same for every thread
+  if (r.tokens <= 0 || !attention_in_plan(plan, r)) return;  // the same for every thread
   const int key_end = r.length + r.tokens;
-  if (r.first + r.tokens > plan.problem.max_tokens || r.tokens > plan.problem.max_tokens_per_request ||
-      key_end > plan.problem.max_kv_length)
-    return;  // beyond the plan's bounds, as in the general kernel
   // One query: key k of the row is slot k under every mask (a tree of one node sees the prefix and
   // itself), and the row's keys end at `keys`.
   const int keys = attention_key_count<Mask>(a, r, 0);
@@ -922,26 +931,7 @@ MEDUSA_KERNEL_FN void attention_single_query_with(Ctx& ctx, const attention_plan
   for (int k = 0; k < UM; ++k) {
     const int u = ctx.warp() + k * attention_warps;
     if (u >= units) break;
-    const int j = u / slices, slice = u % slices;
-    const int h = r.g * G + j;
-    const int d = ctx.lane() + slice * warp_size;
-    if (nsplits == 1) {
-      const float l = st[k].l;
-      if (d < D)
-        a.out[static_cast<std::size_t>(r.first) * static_cast<std::size_t>(a.out_row_stride) +
-              static_cast<std::size_t>(h) * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)] =
-            store_float<O>(l > 0.0f || l != l ? st[k].o[0] / l : 0.0f);
-    } else {
-      const std::size_t cell =
-          (static_cast<std::size_t>(r.first) * static_cast<std::size_t>(plan.problem.num_q_heads) +
-           static_cast<std::size_t>(h)) * static_cast<std::size_t>(plan.splits) +
-          static_cast<std::size_t>(ctx.block_x());
-      if (d < D) a.partial_out[cell * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)] = st[k].o[0];
-      if (slice == 0 && ctx.lane() == 0) {
-        a.partial_ml[2 * cell] = st[k].m;
-        a.partial_ml[2 * cell + 1] = st[k].l;
-      }
-    }
+    attention_store_row(ctx, plan, a, r.first, r.g * G + u / slices, ctx.block_x(), nsplits, st[k], u % slices);
   }
 }
 
@@ -961,9 +951,7 @@ MEDUSA_KERNEL_FN void attention_merge_with(Ctx& ctx, const attention_plan& plan,
   r.first = a.qo_indptr[r.b];
   r.tokens = a.qo_indptr[r.b + 1] - r.first;
   r.length = a.cache_lengths[r.b];
-  if (r.length < 0 || r.tokens > plan.problem.max_tokens_per_request || r.first + r.tokens > plan.problem.max_tokens ||
-      r.length + r.tokens > plan.problem.max_kv_length)
-    return;  // skipped by the main kernel as well
+  if (!attention_in_plan(plan, r)) return;  // skipped by the main kernel as well
   const int split = plan.problem.kv_split;
   const int nsplits = (attention_key_count<Mask>(a, r, t - r.first) + split - 1) / split;
   if (nsplits <= 1) return;
