@@ -15,6 +15,9 @@
 //! whose request ids are the target's: then each request of a `batch_decoder` has its own draft
 //! cache, freed (`release(request, 0)`) when the request leaves.
 //!
+//! The branch is also a `tree_draft_source` (draft_tree.hpp): `tree_drafter` grows each step's
+//! tree from it, best first, instead of one chain.
+//!
 //! @code
 //! medusa::draft_model_branch<DraftEngine> draft(draft_engine, target.vocab_size(), {.max_tokens = 4});
 //! medusa::basic_step_drafter<medusa::draft_model_branch<DraftEngine>> drafter({.lookup = draft}, heads.num_heads());
@@ -26,6 +29,7 @@
 #include <medusa/candidates.hpp>
 #include <medusa/decoder.hpp>
 #include <medusa/decoder/model.hpp>
+#include <medusa/draft_tree.hpp>
 #include <medusa/error.hpp>
 #include <medusa/kv_cache.hpp>
 
@@ -63,7 +67,7 @@ class draft_model_branch {
   //! size. Throws `invalid_input` when the draft's vocabulary size differs (naming both) or
   //! `max_tokens < 1`.
   draft_model_branch(Draft& draft, int target_vocab, draft_model_options opt = {})
-      : state_(std::make_shared<state>(state{&draft, opt, {}, {}, {}, {}, 0, 0, 0.0})) {
+      : state_(std::make_shared<state>(state{&draft, opt, {}, {}, {}, {}, {}, {}, 0, 0, 0.0})) {
     const int v = static_cast<int>(draft.vocab_size());
     if (v != target_vocab)
       throw invalid_input("draft model: its vocabulary has " + std::to_string(v) + " tokens, the target's " +
@@ -97,27 +101,11 @@ class draft_model_branch {
   template <class Choose>
   int find_with(int request, std::span<const std::int32_t> history, std::span<std::int32_t> out, Choose&& choose) {
     state& s = *state_;
-    if (!batched && request != 0)
-      throw invalid_input("draft model: a single-request draft serves request 0, not request " + std::to_string(request));
     const int n = static_cast<int>(history.size());
-    const int vocab = static_cast<int>(s.model->vocab_size());
-    if (n == 0) return 0;
-    for (const std::int32_t t : history)
-      if (t < 0 || t >= vocab)
-        throw invalid_input("draft model: history token " + std::to_string(t) + " is outside its vocabulary of " +
-                            std::to_string(vocab));
     // Drafting K tokens writes the history's K/V and the first K − 1 drafts': slots [0, n + K − 1).
-    const int room = context(request) - n + 1;
-    const int count = std::min({s.opt.max_tokens, static_cast<int>(out.size()), room});
-    if (count < 1) return 0;
-    // The cache is right up to the common prefix; the root itself is always run (its logits).
+    const int count = std::min({s.opt.max_tokens, static_cast<int>(out.size()), context(request) - n + 1});
+    if (n == 0 || count < 1 || !catch_up(request, history)) return 0;
     std::vector<std::int32_t>& cached = s.cached[request];
-    int keep = 0;
-    const int common = std::min(static_cast<int>(cached.size()), n - 1);
-    while (keep < common && cached[static_cast<std::size_t>(keep)] == history[static_cast<std::size_t>(keep)]) ++keep;
-    cached.assign(history.begin(), history.begin() + keep);
-    run(request, history.subspan(static_cast<std::size_t>(keep)), keep);
-    cached.insert(cached.end(), history.begin() + keep, history.end());
     std::int32_t next = choose(std::span<const float>(s.logits), 0);
     out[0] = next;
     for (int i = 1; i < count; ++i) {
@@ -128,6 +116,67 @@ class draft_model_branch {
       out[static_cast<std::size_t>(i)] = next;
     }
     return count;
+  }
+
+  //! The draft's vocabulary size (`tree_draft_source`).
+  [[nodiscard]] int vocab_size() const { return static_cast<int>(state_->model->vocab_size()); }
+
+  //! `tree_draft_source` (draft_tree.hpp): catches the draft's cache up on `history` and returns
+  //! its logit row after the root; empty when the history fills the draft's context. Throws as
+  //! `find` does.
+  std::span<const float> draft_root(int request, std::span<const std::int32_t> history) {
+    if (history.empty() || !catch_up(request, history)) return {};
+    return state_->logits;
+  }
+
+  //! `tree_draft_source`: runs a draft tree's pass (the root again, at slot `n − 1` of a history
+  //! of n tokens, and the pass's nodes after it, with the tree's mask; or a chain's rows past
+  //! `pass.cached`) and returns the logit rows of its last `pass.outputs` nodes; empty when the pass does not fit the draft's context or its
+  //! pool. The cache keeps the history only: the nodes' slots are overwritten by the next call.
+  std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const draft_tree_pass& pass) {
+    state& s = *state_;
+    const int n = static_cast<int>(history.size());
+    const int T = pass.shape.num_nodes();
+    if (n == 0 || n - 1 + T > context(request)) return {};
+    // Rows [c, T) run after slot n − 1 + c: all of them with the tree's mask, or a chain's last.
+    const int c = pass.cached, R = T - c;
+    const auto V = static_cast<std::size_t>(s.model->vocab_size());
+    s.positions.resize(static_cast<std::size_t>(R));
+    for (int i = 0; i < R; ++i) s.positions[static_cast<std::size_t>(i)] = n - 1 + pass.shape.node_depth(c + i);
+    s.tree_logits.resize(static_cast<std::size_t>(R) * V);
+    s.tree_hidden.resize(static_cast<std::size_t>(R) * static_cast<std::size_t>(s.model->hidden_size()));
+    const tree_mask_view mask = c == 0 ? pass.shape.mask_view() : tree_mask_view{};
+    const int lengths[1] = {n - 1 + c}, indptr[2] = {0, R};
+    bool fits = true;
+    timed([&] {
+      as_batch([&](auto& m) {
+        using M = std::remove_reference_t<decltype(m)>;
+        if constexpr (kv_granting_model<M>) {
+          if (static_cast<int>(m.reserve(request, n - 1 + T)) < n - 1 + T) {
+            fits = false;
+            return;
+          }
+        } else if constexpr (kv_reserving_model<M>) {
+          m.reserve(request, n - 1 + T);
+        }
+        ragged_batch b;
+        b.requests = std::span<const int>(&request, 1);
+        b.qo_indptr = indptr;
+        b.tokens = pass.tokens.subspan(static_cast<std::size_t>(c), static_cast<std::size_t>(R));
+        b.positions = s.positions;
+        b.cache_lengths = lengths;
+        if (c == 0) b.request_masks = std::span<const tree_mask_view>(&mask, 1);
+        b.logits = s.tree_logits;
+        b.hidden = s.tree_hidden;
+        m.forward(b);
+      });
+    }, R);
+    if (!fits) {  // nothing ran
+      --s.passes;
+      s.tokens_run -= R;
+      return {};
+    }
+    return std::span<const float>(s.tree_logits).subspan(static_cast<std::size_t>(R - pass.outputs) * V);
   }
 
   //! The request left: its draft cache holds nothing of use any more (a batch draft that frees
@@ -153,6 +202,7 @@ class draft_model_branch {
     std::map<int, std::vector<std::int32_t>> cached;  // per request: the tokens its draft cache holds, slot by slot
     std::vector<std::int32_t> positions;
     std::vector<float> logits, hidden;  // hidden: not read, but models may write it unasked
+    std::vector<float> tree_logits, tree_hidden;  // a draft tree pass's rows
     std::int64_t tokens_run, passes;
     double seconds;
   };
@@ -174,6 +224,41 @@ class draft_model_branch {
     return as_batch([&](auto& m) { return detail::request_context(m, request); });
   }
 
+  // Runs the history past what the draft's cache holds (the root always, for its logits, left in
+  // `state_->logits`). False when the history does not fit the draft's context.
+  bool catch_up(int request, std::span<const std::int32_t> history) {
+    state& s = *state_;
+    if (!batched && request != 0)
+      throw invalid_input("draft model: a single-request draft serves request 0, not request " + std::to_string(request));
+    const int n = static_cast<int>(history.size());
+    const int vocab = static_cast<int>(s.model->vocab_size());
+    for (const std::int32_t t : history)
+      if (t < 0 || t >= vocab)
+        throw invalid_input("draft model: history token " + std::to_string(t) + " is outside its vocabulary of " +
+                            std::to_string(vocab));
+    if (n > context(request)) return false;
+    // The cache is right up to the common prefix; the root itself is always run (its logits).
+    std::vector<std::int32_t>& cached = s.cached[request];
+    int keep = 0;
+    const int common = std::min(static_cast<int>(cached.size()), n - 1);
+    while (keep < common && cached[static_cast<std::size_t>(keep)] == history[static_cast<std::size_t>(keep)]) ++keep;
+    cached.assign(history.begin(), history.begin() + keep);
+    run(request, history.subspan(static_cast<std::size_t>(keep)), keep);
+    cached.insert(cached.end(), history.begin() + keep, history.end());
+    return true;
+  }
+
+  // Runs `f`, adding its time, one pass and `tokens` rows to the draft's counts.
+  template <class F>
+  void timed(F&& f, int tokens) {
+    state& s = *state_;
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    s.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    s.tokens_run += tokens;
+    ++s.passes;
+  }
+
   // Runs `tokens` at slots [length, length + T) of `request` (causal); the last row's logits are
   // left in `state_->logits`.
   void run(int request, std::span<const std::int32_t> tokens, int length) {
@@ -183,21 +268,19 @@ class draft_model_branch {
     for (int i = 0; i < T; ++i) s.positions[static_cast<std::size_t>(i)] = length + i;
     s.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
     s.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
-    const auto t0 = std::chrono::steady_clock::now();
-    as_batch([&](auto& m) {
-      using M = std::remove_reference_t<decltype(m)>;
-      if constexpr (kv_granting_model<M>) {
-        if (static_cast<int>(m.reserve(request, length + T)) < length + T)
-          throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " +
-                                                            std::to_string(length + T) + " slots");
-      } else if constexpr (kv_reserving_model<M>) {
-        m.reserve(request, length + T);
-      }
-      detail::forward_request(m, request, tokens, s.positions, length, /*last_row_only=*/true, s.logits, s.hidden);
-    });
-    s.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    s.tokens_run += T;
-    ++s.passes;
+    timed([&] {
+      as_batch([&](auto& m) {
+        using M = std::remove_reference_t<decltype(m)>;
+        if constexpr (kv_granting_model<M>) {
+          if (static_cast<int>(m.reserve(request, length + T)) < length + T)
+            throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " +
+                                                              std::to_string(length + T) + " slots");
+        } else if constexpr (kv_reserving_model<M>) {
+          m.reserve(request, length + T);
+        }
+        detail::forward_request(m, request, tokens, s.positions, length, /*last_row_only=*/true, s.logits, s.hidden);
+      });
+    }, T);
   }
 
   std::shared_ptr<state> state_;

@@ -17,17 +17,23 @@
 //! accepted path. The drafter model is any `feature_draft_model`, e.g. the example's
 //! `medusa_llama::eagle_engine` (one decoder layer over the target's embedding and LM head).
 //!
+//! The branch is also a `tree_draft_source` (draft_tree.hpp): `tree_drafter` grows each step's
+//! tree from it (EAGLE-2), each node's row fed its parent's predicted feature.
+//!
 //! @code
 //! medusa::feature_draft_branch<medusa_llama::eagle_engine> eagle(drafter, target.vocab_size(),
 //!                                                                target.hidden_size(), {.max_tokens = 5});
 //! medusa::basic_step_drafter<medusa::feature_draft_branch<medusa_llama::eagle_engine>> drafts({.lookup = eagle}, 1);
-//! medusa::decoder dec(target, medusa::no_heads{}, drafts, medusa::greedy_policy{});
+//! medusa::no_heads none;
+//! medusa::decoder dec(target, none, drafts, medusa::greedy_policy{});
 //! @endcode
 #pragma once
 
 #include <medusa/config.hpp>
 #include <medusa/candidates.hpp>
+#include <medusa/draft_tree.hpp>
 #include <medusa/error.hpp>
+#include <medusa/tree/mask.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -42,18 +48,22 @@
 
 MEDUSA_NAMESPACE_BEGIN
 
-//! One causal forward of a feature drafter for one request: `T = tokens.size()` rows, row i being
+//! One forward of a feature drafter for one request: `T = tokens.size()` rows, row i being
 //! (`features[i]`, `tokens[i]`) at position `positions[i]`, its K/V written at slot
 //! `cache_length + i` of the request's own cache, attending to slots `[0, cache_length)` and to
-//! rows 0…i.
+//! rows 0…i (causal), or to the rows `tree_mask` shows it (a draft tree's pass).
 struct feature_batch {
   int request = 0;                          //!< the engine's id of the request
   std::span<const std::int32_t> tokens;     //!< `[T]` the token following each feature's position
   std::span<const float> features;          //!< `[T][hidden]` the feature of each row's position
   std::span<const std::int32_t> positions;  //!< `[T]` absolute positions (RoPE)
   int cache_length = 0;                     //!< slots of the request's drafter cache kept
-  std::span<float> logits;                  //!< `[vocab]`: the last row's logits
-  std::span<float> hidden;                  //!< `[hidden]`: the last row's predicted feature
+  std::span<float> logits;                  //!< `[outputs][vocab]`: the last rows' logits
+  std::span<float> hidden;                  //!< `[outputs][hidden]`: the last rows' predicted features
+  //! Visibility among the rows: empty = causal; otherwise a tree's packed mask (row i sees row j
+  //! iff `tree_mask.visible(i, j)`), a draft tree's pass (draft_tree.hpp).
+  tree_mask_view tree_mask = {};
+  int outputs = 1;                          //!< rows whose outputs are wanted: the last `outputs` (≥ 1)
 };
 
 //! A feature drafter model: `forward(feature_batch)` (see there), `vocab_size()` and
@@ -135,19 +145,9 @@ class feature_draft_branch {
   int find_with(int request, std::span<const std::int32_t> history, std::span<std::int32_t> out, Choose&& choose) {
     state& s = *state_;
     const int n = static_cast<int>(history.size());
-    const int vocab = static_cast<int>(s.model->vocab_size());
-    const auto d = static_cast<std::size_t>(s.model->hidden_size());
     if (n < 2 || out.empty()) return 0;
     request_state& r = s.requests[request];
-    const int known = r.fed + static_cast<int>(r.pending.size() / d);
-    if (known != n - 1)
-      throw invalid_input("feature drafter: request " + std::to_string(request) + " has the features of " +
-                          std::to_string(known) + " positions, drafting after " + std::to_string(n) +
-                          " tokens needs " + std::to_string(n - 1));
-    for (const std::int32_t t : history.subspan(static_cast<std::size_t>(r.fed)))
-      if (t < 0 || t >= vocab)
-        throw invalid_input("feature drafter: history token " + std::to_string(t) + " is outside its vocabulary of " +
-                            std::to_string(vocab));
+    check_history(request, r, history);
     // Drafting K tokens writes rows at positions [fed, n − 2 + K): the last must fit the context.
     const int count = std::min({s.opt.max_tokens, static_cast<int>(out.size()), context() - n + 2});
     if (count < 1) return 0;
@@ -166,6 +166,81 @@ class feature_draft_branch {
       run(request, token, s.feature, n - 1 + i);
     }
     return count;
+  }
+
+  //! The drafter's vocabulary size (`tree_draft_source`).
+  [[nodiscard]] int vocab_size() const { return static_cast<int>(state_->model->vocab_size()); }
+
+  //! `tree_draft_source` (draft_tree.hpp): runs the catch-up rows (as `find` does) and returns the
+  //! logit row after the root; empty when the drafter's context is full or it drafted after this
+  //! history already. Throws as `find` does.
+  std::span<const float> draft_root(int request, std::span<const std::int32_t> history) {
+    state& s = *state_;
+    const int n = static_cast<int>(history.size());
+    const auto d = static_cast<std::size_t>(s.model->hidden_size());
+    if (n < 2) return {};
+    request_state& r = s.requests[request];
+    check_history(request, r, history);
+    if (n - 1 > context() || n - 1 - r.fed < 1) return {};
+    // The root's row (position n − 2) runs again in every pass of the tree: keep its real feature.
+    s.root_feature.assign(r.pending.end() - static_cast<std::ptrdiff_t>(d), r.pending.end());
+    run(request, history.subspan(static_cast<std::size_t>(r.fed) + 1), r.pending, r.fed);
+    r.fed = n - 1;
+    r.pending.clear();
+    s.node_features.assign(s.hidden.begin(), s.hidden.end());  // node 0's: the root's predicted feature
+    return s.logits;
+  }
+
+  //! `tree_draft_source`: runs a draft tree's pass. Row 0 is the root's again ((its real feature,
+  //! the root) at position n − 2 of a history of n tokens); node i's row takes its parent's
+  //! predicted feature and its own token. A chain's rows before `pass.cached` do not run again. Returns the logit rows of the last `pass.outputs` nodes
+  //! (and keeps their predicted features for their children); empty when the pass does not fit
+  //! the drafter's context.
+  std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const draft_tree_pass& pass) {
+    state& s = *state_;
+    const int n = static_cast<int>(history.size());
+    const int T = pass.shape.num_nodes();
+    const auto d = static_cast<std::size_t>(s.model->hidden_size());
+    const auto V = static_cast<std::size_t>(s.model->vocab_size());
+    if (n < 2 || n - 2 + T > context()) return {};
+    // Rows [c, T) run after slot n − 2 + c: all of them with the tree's mask, or a chain's last.
+    const int c = pass.cached, R = T - c;
+    s.tree_features.resize(static_cast<std::size_t>(R) * d);
+    for (int i = c; i < T; ++i) {
+      const auto row = s.tree_features.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(i - c) * d);
+      if (i == 0) {
+        std::copy(s.root_feature.begin(), s.root_feature.end(), row);
+        continue;
+      }
+      const auto parent = static_cast<std::size_t>(pass.ids[static_cast<std::size_t>(pass.shape.parent(i))]);
+      if ((parent + 1) * d > s.node_features.size())
+        throw invalid_input("feature drafter: a draft tree's pass expands node " + std::to_string(parent) +
+                            " before its own row ran");
+      std::copy_n(s.node_features.begin() + static_cast<std::ptrdiff_t>(parent * d), d, row);
+    }
+    s.positions.resize(static_cast<std::size_t>(R));
+    for (int i = 0; i < R; ++i) s.positions[static_cast<std::size_t>(i)] = n - 2 + pass.shape.node_depth(c + i);
+    const auto outs = static_cast<std::size_t>(pass.outputs);
+    s.tree_logits.resize(outs * V);
+    s.tree_hidden.resize(outs * d);
+    feature_batch b;
+    b.request = request;
+    b.tokens = pass.tokens.subspan(static_cast<std::size_t>(c), static_cast<std::size_t>(R));
+    b.features = s.tree_features;
+    b.positions = s.positions;
+    b.cache_length = n - 2 + c;
+    b.logits = s.tree_logits;
+    b.hidden = s.tree_hidden;
+    if (c == 0) b.tree_mask = pass.shape.mask_view();
+    b.outputs = pass.outputs;
+    forward(b);
+    for (std::size_t j = 0; j < outs; ++j) {
+      const auto id = static_cast<std::size_t>(pass.ids[static_cast<std::size_t>(T) - outs + j]);
+      if (s.node_features.size() < (id + 1) * d) s.node_features.resize((id + 1) * d);
+      std::copy_n(s.tree_hidden.begin() + static_cast<std::ptrdiff_t>(j * d), d,
+                  s.node_features.begin() + static_cast<std::ptrdiff_t>(id * d));
+    }
+    return s.tree_logits;
   }
 
   //! The request left: its state and the drafter's cache of it go.
@@ -192,11 +267,30 @@ class feature_draft_branch {
     std::map<int, request_state> requests;
     std::vector<std::int32_t> positions;
     std::vector<float> logits, hidden, feature;
+    // A draft tree's step: the root row's real feature, each expanded node's predicted feature
+    // (`[id][hidden]`, node 0 the root), a pass's input features and its output rows.
+    std::vector<float> root_feature, node_features, tree_features, tree_logits, tree_hidden;
     std::int64_t tokens_run = 0, passes = 0;
     double seconds = 0;
   };
 
   [[nodiscard]] int context() const { return static_cast<int>(state_->model->max_context()); }
+
+  // Throws `invalid_input` unless the features of every position of `history` but the root's
+  // arrived and its tokens the drafter has not run lie in the vocabulary.
+  void check_history(int request, const request_state& r, std::span<const std::int32_t> history) const {
+    const int n = static_cast<int>(history.size());
+    const int vocab = static_cast<int>(state_->model->vocab_size());
+    const int known = r.fed + static_cast<int>(r.pending.size() / static_cast<std::size_t>(state_->model->hidden_size()));
+    if (known != n - 1)
+      throw invalid_input("feature drafter: request " + std::to_string(request) + " has the features of " +
+                          std::to_string(known) + " positions, drafting after " + std::to_string(n) +
+                          " tokens needs " + std::to_string(n - 1));
+    for (const std::int32_t t : history.subspan(static_cast<std::size_t>(r.fed)))
+      if (t < 0 || t >= vocab)
+        throw invalid_input("feature drafter: history token " + std::to_string(t) + " is outside its vocabulary of " +
+                            std::to_string(vocab));
+  }
 
   // Runs rows (tokens[i], features[i]) at slots and positions `length + i`; the last row's logits
   // and predicted feature are left in `state_->logits` / `state_->hidden`.
@@ -214,10 +308,16 @@ class feature_draft_branch {
     b.cache_length = length;
     b.logits = s.logits;
     b.hidden = s.hidden;
+    forward(b);
+  }
+
+  // The drafter's forward, counted in its cost.
+  void forward(const feature_batch& b) {
+    state& s = *state_;
     const auto t0 = std::chrono::steady_clock::now();
     s.model->forward(b);
     s.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    s.tokens_run += static_cast<std::int64_t>(tokens.size());
+    s.tokens_run += static_cast<std::int64_t>(b.tokens.size());
     ++s.passes;
   }
 

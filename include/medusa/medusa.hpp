@@ -28,6 +28,7 @@
 #include <medusa/drafts.hpp>
 #include <medusa/draft_model.hpp>
 #include <medusa/draft_sampler.hpp>
+#include <medusa/draft_tree.hpp>
 #include <medusa/feature_draft.hpp>
 #include <medusa/decoder.hpp>
 #include <medusa/decoder/calibrate.hpp>

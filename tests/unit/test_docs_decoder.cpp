@@ -1,14 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // The model of docs/decoder.md, compiled and run: a model that owns its KV buffers and returns a
 // writable view from a non-const kv_cache(), seeded random heads from the library, and greedy
-// Medusa output equal to plain greedy decoding; the tree search, per-step drafts, a draft model and
-// its sampled chains of docs/tree.md and docs/decoder.md on the same model.
+// Medusa output equal to plain greedy decoding; the tree search, per-step drafts, a draft model, its
+// trees and its sampled chains of docs/tree.md and docs/decoder.md on the same model.
 #include <doctest/doctest.h>
 #include <medusa/decoder.hpp>
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/decoder/step_cost.hpp>
 #include <medusa/draft_model.hpp>
 #include <medusa/draft_sampler.hpp>
+#include <medusa/draft_tree.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/io/head_checkpoint.hpp>
 #include <medusa/tree.hpp>
@@ -152,6 +153,13 @@ TEST_CASE("docs/tree.md and docs/decoder.md: the best tree for the machine, then
   medusa::decoder dec_draft(model, heads, drafted, medusa::greedy_policy{});
   CHECK(dec_draft.generate(prompt, opt).tokens == plain.tokens);
   CHECK(draft.tokens_run() >= static_cast<std::int64_t>(prompt.size()));
+
+  // --- docs/decoder.md, "Draft trees (EAGLE-2)" -----------------------------------------------
+  medusa::tree_drafter trees(draft, {.max_nodes = 16, .max_depth = 6, .topk = 4, .expand = 4});
+  medusa::no_heads none;
+  medusa::decoder dec_trees(model, none, trees, medusa::greedy_policy{});
+  CHECK(dec_trees.generate(prompt, opt).tokens == plain.tokens);
+  draft.release(0);
 
   // --- docs/decoder.md, "Sampling a draft model's chains" -------------------------------------
   medusa::draft_model_sampler<my_model> drafts(small, model.vocab_size(),

@@ -117,30 +117,6 @@ struct random_drafter {
   }
 };
 
-// A ragged-batch engine over tiny_model's weights, one contiguous cache per request id.
-class batch_engine {
- public:
-  explicit batch_engine(const tiny_model& w) : w_(w) {}
-  int vocab_size() const { return V; }
-  int hidden_size() const { return D; }
-  medusa::kv_cache_view<float> kv_cache(int r) {
-    auto& c = caches_[r];
-    const std::size_t size = static_cast<std::size_t>(tiny_model::layers) * capacity * tiny_model::kv_heads * tiny_model::head_dim;
-    if (c.k.empty()) c.k.assign(size, 0.0f), c.v.assign(size, 0.0f);
-    return medusa::make_kv_view<float>(c.k, c.v, {tiny_model::layers, tiny_model::kv_heads, tiny_model::head_dim}, capacity);
-  }
-  void forward(const medusa::ragged_batch& b) {
-    for (int i = 0; i < b.size(); ++i) w_.run(kv_cache(b.requests[static_cast<std::size_t>(i)]), tiny::request_slice(b, i));
-  }
-
- private:
-  struct cache {
-    std::vector<float> k, v;
-  };
-  const tiny_model& w_;
-  std::map<int, cache> caches_;
-};
-
 medusa::decode_options tokens(int n) {
   medusa::decode_options opt;
   opt.max_new_tokens = n;
@@ -189,7 +165,7 @@ TEST_CASE("a feature drafter unlike the target is lossless, alone and beside the
 
 TEST_CASE("a batch keeps one drafter cache per request, each decoding as plain greedy, freed when it leaves") {
   tiny_model target(capacity);
-  batch_engine engine(target);
+  tiny::batch_engine engine(target, capacity);
   const std::vector<std::vector<std::int32_t>> prompts = {{1, 5, 9, 13}, {3, 3, 8}, {20, 1, 2, 30, 4, 11, 6}};
   for (const bool oracle_kind : {true, false}) {
     CAPTURE(oracle_kind);

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <random>
 #include <span>
 #include <vector>
@@ -278,5 +279,32 @@ inline medusa::forward_batch request_slice(const medusa::ragged_batch& b, int i)
   f.hidden = b.hidden.subspan(out0 * d, rows * d);
   return f;
 }
+
+// A ragged-batch engine over a tiny_model's weights, one contiguous cache of `capacity` slots per
+// request id.
+class batch_engine {
+ public:
+  batch_engine(const tiny_model& w, int capacity) : w_(w), capacity_(capacity) {}
+  int vocab_size() const { return tiny_model::vocab; }
+  int hidden_size() const { return tiny_model::dim; }
+  medusa::kv_cache_view<float> kv_cache(int r) {
+    auto& c = caches_[r];
+    const std::size_t size =
+        static_cast<std::size_t>(tiny_model::layers) * static_cast<std::size_t>(capacity_) * tiny_model::kv_heads * tiny_model::head_dim;
+    if (c.k.empty()) c.k.assign(size, 0.0f), c.v.assign(size, 0.0f);
+    return medusa::make_kv_view<float>(c.k, c.v, {tiny_model::layers, tiny_model::kv_heads, tiny_model::head_dim}, capacity_);
+  }
+  void forward(const medusa::ragged_batch& b) {
+    for (int i = 0; i < b.size(); ++i) w_.run(kv_cache(b.requests[static_cast<std::size_t>(i)]), request_slice(b, i));
+  }
+
+ private:
+  struct cache {
+    std::vector<float> k, v;
+  };
+  const tiny_model& w_;
+  int capacity_;
+  std::map<int, cache> caches_;
+};
 
 }  // namespace tiny

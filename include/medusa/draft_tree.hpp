@@ -1,0 +1,400 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file draft_tree.hpp
+//! Draft trees from a drafter that runs a model (EAGLE-2's dynamic trees): instead of one greedy
+//! chain, each step grows a tree best first by the drafter's own joint probability.
+//!
+//! From the root, each depth expands the `expand` most probable nodes of the depth before (the
+//! root at depth 1): their `topk` most probable next tokens become children, each scored by its
+//! path's joint probability under the drafter (the product of its softmax along the path). One
+//! drafter pass per depth gives the logits of the nodes to expand next. The step's tree is the
+//! `max_nodes` most probable nodes drafted (a set closed under parent: a child is never more
+//! probable than its parent). Growth stops early once no node still to expand can enter that set.
+//!
+//! The drafter is a `tree_draft_source`: `draft_model_branch` (draft_model.hpp) and
+//! `feature_draft_branch` (feature_draft.hpp) are. Each pass runs the tree of the nodes to expand
+//! and their ancestors, root first, with the tree's mask (the drafter's cache keeps only the
+//! request's committed tokens, so ancestors drafted in an earlier pass run again). An optional
+//! prompt lookup (`ngram_lookup`) joins its continuation as a branch, merged into the drafted nodes
+//! where they propose the same tokens.
+//!
+//! Verification is unchanged, so the output stays lossless whatever the drafter proposes. The
+//! tree's tokens are the drafter's top-k (no sampling): at T > 0 the verification's own rules
+//! (e.g. `rejection_policy`) keep the target's distribution, with a point mass as each node's
+//! draft distribution.
+//!
+//! @code
+//! medusa::feature_draft_branch<medusa_llama::eagle_engine> eagle(drafter, target.vocab_size(), target.hidden_size());
+//! medusa::tree_drafter drafts(eagle, {.max_nodes = 24, .max_depth = 6, .topk = 4, .expand = 4});
+//! medusa::no_heads none;
+//! medusa::decoder dec(target, none, drafts, medusa::greedy_policy{});
+//! @endcode
+#pragma once
+
+#include <medusa/config.hpp>
+#include <medusa/acceptance_error.hpp>
+#include <medusa/candidates.hpp>
+#include <medusa/detail/row_math.hpp>
+#include <medusa/drafts.hpp>
+#include <medusa/error.hpp>
+#include <medusa/tree.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+MEDUSA_NAMESPACE_BEGIN
+
+//! How a `tree_drafter` grows each step's tree.
+struct draft_tree_options {
+  int max_nodes = 16;  //!< drafted nodes per step, the root not counted (≥ 1)
+  int max_depth = 5;   //!< deepest drafted node (≥ 1)
+  int topk = 4;        //!< children scored under each expanded node, in [1, max_tree_topk − 1)
+  int expand = 4;      //!< nodes expanded per depth: the depth's most probable (≥ 1)
+
+  //! Throws `invalid_input` naming the first option out of range.
+  void validate() const {
+    auto bad = [](const std::string& what) { throw invalid_input("draft tree: " + what); };
+    if (max_nodes < 1) bad("max_nodes must be >= 1, got " + std::to_string(max_nodes));
+    if (max_depth < 1) bad("max_depth must be >= 1, got " + std::to_string(max_depth));
+    if (topk < 1 || topk >= max_tree_topk - 1)
+      bad("topk must be in [1, " + std::to_string(max_tree_topk - 1) + "), got " + std::to_string(topk));
+    if (expand < 1) bad("expand must be >= 1, got " + std::to_string(expand));
+  }
+};
+
+//! One drafter pass of a growing draft tree: `shape` holds the root and the drafted nodes of the
+//! pass in canonical order (node 0 the root, depth `shape.node_depth(i)` after it), `tokens[i]`
+//! node i's token (`tokens[0]` the root, the request's last token), `ids[i]` the node's id in the
+//! drafter's tree (0 for the root; stable over the step's passes, so a source can keep a per-node
+//! result, e.g. a predicted feature, and find it again under `ids[shape.parent(i)]`). The logits
+//! of the last `outputs` nodes are wanted: the nodes to expand, the deepest of the pass.
+//!
+//! A pass that is a chain (one node a depth) may find its leading rows done: `cached` > 0 says that
+//! rows `[0, cached)` sit in the drafter's cache at their slots from this step's earlier passes,
+//! so only rows `[cached, T)` run, causally after them (an `expand = 1` tree then costs what a chain
+//! does).
+struct draft_tree_pass {
+  const tree& shape;
+  std::span<const std::int32_t> tokens;
+  std::span<const int> ids;
+  int outputs = 0;
+  int cached = 0;
+};
+
+//! A drafter that `tree_drafter` can grow trees with:
+//! - `draft_root(request, history)`: runs what the drafter has not seen of `history` (request
+//!   `request`'s tokens, ending with the step's root) and returns the logit row after the root
+//!   (`[vocab]`), or an empty span when it drafts nothing now (its context is full);
+//! - `draft_pass(request, history, pass)`: runs the pass (`draft_tree_pass`, rows from
+//!   `pass.cached` on) and returns the logit rows of its last `pass.outputs` nodes (`[outputs][vocab]`, in the pass's order), or an empty
+//!   span when the pass does not fit its context (the tree then stops growing);
+//! - `vocab_size()`, and optionally `release(request)`, `observes_features()` and `observe(...)`
+//!   (the `feature_observing` members), which `tree_drafter` passes on.
+//! The spans stay valid until the source's next call.
+template <class S>
+concept tree_draft_source = std::copy_constructible<S> &&
+    requires(S& s, int request, std::span<const std::int32_t> history, const draft_tree_pass& pass) {
+      { s.vocab_size() } -> std::convertible_to<int>;
+      { s.draft_root(request, history) } -> std::convertible_to<std::span<const float>>;
+      { s.draft_pass(request, history, pass) } -> std::convertible_to<std::span<const float>>;
+    };
+
+//! A per-step drafter (`step_drafts`, drafts.hpp) whose trees a model-running drafter grows (see
+//! the file comment). Not thread-safe (scratch buffers); copies share the source's state when the
+//! source's copies do.
+template <tree_draft_source Source>
+class tree_drafter {
+ public:
+  //! The drafter.
+  using source_type = Source;
+
+  //! Throws `invalid_input` for options out of range (`draft_tree_options::validate`,
+  //! `ngram_lookup::validate`).
+  tree_drafter(Source source, draft_tree_options opt, std::optional<ngram_lookup> lookup = std::nullopt)
+      : source_(std::move(source)), opt_(opt), lookup_(lookup) {
+    opt_.validate();
+    if (lookup_) lookup_->validate();
+    const int lookup_len = lookup_ ? lookup_->max_tokens : 0;
+    max_nodes_ = 1 + opt_.max_nodes + lookup_len;
+    max_depth_ = std::max(opt_.max_depth, lookup_len);
+    continuation_.resize(static_cast<std::size_t>(lookup_len));
+  }
+
+  //! Most nodes a step's tree can have (root included): sizes the decoder's buffers.
+  [[nodiscard]] int max_nodes() const noexcept { return max_nodes_; }
+  //! Deepest path a step's tree can have.
+  [[nodiscard]] int max_depth() const noexcept { return max_depth_; }
+  //! Heads read: none (the trees come from the drafter).
+  [[nodiscard]] static constexpr int heads_depth() noexcept { return 0; }
+  //! The options.
+  [[nodiscard]] const draft_tree_options& options() const noexcept { return opt_; }
+  //! The drafter.
+  [[nodiscard]] Source& source() noexcept { return source_; }
+  [[nodiscard]] const Source& source() const noexcept { return source_; }
+
+  //! This step's tree for request `request`; `history` = its tokens, ending with the root. Writes
+  //! the nodes' tokens to `node_tokens` (at least `max_nodes()` entries). Returns nothing when
+  //! nothing is drafted (a plain step). Throws `acceptance_error` for a non-finite drafter logit
+  //! row or a vocabulary other than `vocab`, and what the source throws.
+  std::optional<tree> draft(int request, std::span<const std::int32_t> history, std::span<const float> /*head_logits*/,
+                            int vocab, std::span<std::int32_t> node_tokens) {
+    if (history.empty()) return std::nullopt;
+    if (static_cast<int>(source_.vocab_size()) != vocab)
+      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter has a vocabulary of " +
+                                                                 std::to_string(source_.vocab_size()) + ", the target " +
+                                                                 std::to_string(vocab));
+    if (static_cast<int>(node_tokens.size()) < max_nodes_)
+      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: node_tokens holds " +
+                                                                 std::to_string(node_tokens.size()) + " nodes, a tree up to " +
+                                                                 std::to_string(max_nodes_));
+    grow(request, history, vocab);
+    std::vector<std::vector<int>> paths = chosen_paths();
+    int found = 0;
+    if (lookup_) {
+      found = lookup_->find(history, continuation_);
+      if (found > 0) add_lookup_branch(paths, std::span<const std::int32_t>(continuation_.data(), static_cast<std::size_t>(found)));
+    }
+    if (paths.empty()) return std::nullopt;
+    tree_options topt;
+    topt.topk = opt_.topk + 1;  // rank `topk`: lookup nodes
+    topt.max_depth = max_depth_;
+    tree out = tree::from_paths(paths, topt);
+    node_tokens[0] = history.back();
+    for (int u = 1; u < out.num_nodes(); ++u) {
+      const auto& p = out.sorted_paths()[static_cast<std::size_t>(u) - 1];
+      node_tokens[static_cast<std::size_t>(u)] = token_at(p);
+    }
+    return out;
+  }
+
+  //! The same for request 0 (one request alone).
+  std::optional<tree> draft(std::span<const std::int32_t> history, std::span<const float> head_logits, int vocab,
+                            std::span<std::int32_t> node_tokens) {
+    return draft(0, history, head_logits, vocab, node_tokens);
+  }
+
+  //! Whether the decoders should pass the target's features (the source reads them).
+  [[nodiscard]] bool observes_features() const {
+    if constexpr (requires(const Source& s) {
+                    { s.observes_features() } -> std::convertible_to<bool>;
+                  })
+      return source_.observes_features();
+    else return false;
+  }
+  //! The target's features of request `request`'s positions from `position` on, for the source.
+  void observe(int request, int position, std::span<const float> rows) {
+    if constexpr (requires(Source& s) { s.observe(request, position, rows); }) source_.observe(request, position, rows);
+  }
+  //! Request `request` left: the source hears of it when it has `release(request)`.
+  void release(int request) {
+    if constexpr (requires(Source& s) { s.release(request); }) source_.release(request);
+  }
+
+  //! Drafter passes per depth so far, summed over steps (entry d: passes that expanded depth d + 1's
+  //! nodes; entry 0 counts the root's), for how deep trees grow.
+  [[nodiscard]] std::span<const std::int64_t> passes_by_depth() const noexcept { return passes_by_depth_; }
+
+ private:
+  struct node {
+    int parent;         // node id; -1 for the root
+    int rank;           // among the parent's children (the drafter's top-k order)
+    int depth;
+    std::int32_t token;
+    double logp;        // joint log-probability of the path under the drafter
+    int first_child;    // id of child rank 0 (children are consecutive), -1 before expansion
+  };
+
+  // Children of `parent` from its logit row: the drafter's top-k, each with the path's log-probability.
+  void expand(int parent, std::span<const float> row, int vocab) {
+    detail::check_logit_row(row, parent, "draft tree: the drafter's row after node");
+    const auto v = static_cast<std::size_t>(vocab);
+    const int k = std::min(opt_.topk, vocab);
+    ids_.resize(static_cast<std::size_t>(k));
+    detail::top_k_ids(row.data(), v, k, ids_.data());
+    const float m = detail::row_max(row.data(), v).max;
+    const double log_sum = std::log(detail::softmax_sum(row.data(), v, m, 1.0f).sum);
+    node& p = nodes_[static_cast<std::size_t>(parent)];
+    p.first_child = static_cast<int>(nodes_.size());
+    const double base = p.logp;
+    const int depth = p.depth + 1;
+    for (int r = 0; r < k; ++r) {
+      const std::int32_t t = ids_[static_cast<std::size_t>(r)];
+      const double lp = static_cast<double>(row[static_cast<std::size_t>(t)] - m) - log_sum;
+      nodes_.push_back({parent, r, depth, t, base + std::min(lp, 0.0), -1});
+    }
+  }
+
+  // Ranks of node `id`'s path from the root.
+  void path_of(int id, std::vector<int>& out) const {
+    out.clear();
+    for (int u = id; u > 0; u = nodes_[static_cast<std::size_t>(u)].parent) out.push_back(nodes_[static_cast<std::size_t>(u)].rank);
+    std::reverse(out.begin(), out.end());
+  }
+
+  // More probable first; equal ones shallower first (a parent before its child), then by id.
+  [[nodiscard]] bool before(int a, int b) const {
+    const node& x = nodes_[static_cast<std::size_t>(a)];
+    const node& y = nodes_[static_cast<std::size_t>(b)];
+    if (x.logp != y.logp) return x.logp > y.logp;
+    if (x.depth != y.depth) return x.depth < y.depth;
+    return a < b;
+  }
+
+  // Grows this step's nodes (`nodes_`) best first, one drafter pass per depth.
+  void grow(int request, std::span<const std::int32_t> history, int vocab) {
+    nodes_.clear();
+    nodes_.push_back({-1, -1, 0, history.back(), 0.0, -1});
+    const std::span<const float> root = source_.draft_root(request, history);
+    if (root.empty()) return;
+    chain_end_ = 0;  // the drafter's cache holds the root's row
+    count_pass(0);
+    const auto v = static_cast<std::size_t>(vocab);
+    if (root.size() < v) throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter's root row is short");
+    expand(0, root.first(v), vocab);
+    for (int depth = 1; depth < opt_.max_depth; ++depth) {
+      // The depth's nodes, most probable first: the first `expand` of them grow.
+      frontier_.clear();
+      for (int u = 0; u < static_cast<int>(nodes_.size()); ++u)
+        if (nodes_[static_cast<std::size_t>(u)].depth == depth) frontier_.push_back(u);
+      std::sort(frontier_.begin(), frontier_.end(), [&](int a, int b) { return before(a, b); });
+      if (frontier_.size() > static_cast<std::size_t>(opt_.expand)) frontier_.resize(static_cast<std::size_t>(opt_.expand));
+      // Stop once `max_nodes` drafted nodes beat the best of them: no descendant can enter the tree.
+      int better = 0;
+      for (int u = 1; u < static_cast<int>(nodes_.size()); ++u) better += before(u, frontier_.front()) ? 1 : 0;
+      if (better >= opt_.max_nodes) break;
+      if (!run_pass(request, history, vocab)) break;
+      count_pass(depth);
+    }
+  }
+
+  // One drafter pass over the frontier and its ancestors; expands the frontier from its rows.
+  bool run_pass(int request, std::span<const std::int32_t> history, int vocab) {
+    // The pass's nodes: the frontier and every ancestor, as paths.
+    in_pass_.assign(nodes_.size(), 0);
+    pass_paths_.clear();
+    for (const int f : frontier_)
+      for (int u = f; u > 0 && !in_pass_[static_cast<std::size_t>(u)]; u = nodes_[static_cast<std::size_t>(u)].parent) {
+        in_pass_[static_cast<std::size_t>(u)] = 1;
+        path_of(u, path_);
+        pass_paths_.push_back(path_);
+      }
+    tree_options topt;
+    topt.topk = opt_.topk;
+    topt.max_depth = opt_.max_depth;
+    const tree shape = tree::from_paths(pass_paths_, topt);
+    const auto n = static_cast<std::size_t>(shape.num_nodes());
+    pass_ids_.resize(n);
+    pass_tokens_.resize(n);
+    pass_ids_[0] = 0;
+    pass_tokens_[0] = nodes_[0].token;
+    for (std::size_t i = 1; i < n; ++i) {
+      const int parent = pass_ids_[static_cast<std::size_t>(shape.parent(static_cast<int>(i)))];
+      const int id = nodes_[static_cast<std::size_t>(parent)].first_child + shape.rank(static_cast<int>(i));
+      pass_ids_[i] = id;
+      pass_tokens_[i] = nodes_[static_cast<std::size_t>(id)].token;
+    }
+    // The frontier is the deepest depth of the pass: its last nodes in canonical order.
+    const int outputs = static_cast<int>(frontier_.size());
+    // A chain whose parent's row ended the last pass (or is the root's): only the new row runs.
+    const bool chain = outputs == 1;
+    const int cached = chain && nodes_[static_cast<std::size_t>(frontier_[0])].parent == chain_end_ ? static_cast<int>(n) - 1 : 0;
+    const draft_tree_pass pass{shape, pass_tokens_, pass_ids_, outputs, cached};
+    const std::span<const float> rows = source_.draft_pass(request, history, pass);
+    if (rows.empty()) return false;
+    // A chain pass leaves the chain's rows at consecutive slots, in its canonical order.
+    chain_end_ = chain ? frontier_[0] : -1;
+    const auto v = static_cast<std::size_t>(vocab);
+    if (rows.size() < static_cast<std::size_t>(outputs) * v)
+      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter returned " + std::to_string(rows.size()) +
+                                                                 " logits for " + std::to_string(outputs) + " rows of " +
+                                                                 std::to_string(vocab));
+    // Copied first: expanding reads rows the source may overwrite only at its next call, but the
+    // frontier's ids come from this pass's order.
+    rows_.assign(rows.begin(), rows.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(outputs) * v));
+    for (int j = 0; j < outputs; ++j)
+      expand(pass_ids_[n - static_cast<std::size_t>(outputs) + static_cast<std::size_t>(j)],
+             std::span<const float>(rows_).subspan(static_cast<std::size_t>(j) * v, v), vocab);
+    return true;
+  }
+
+  // The step's tree: the `max_nodes` most probable drafted nodes, as paths.
+  std::vector<std::vector<int>> chosen_paths() {
+    chosen_.clear();
+    for (int u = 1; u < static_cast<int>(nodes_.size()); ++u) chosen_.push_back(u);
+    const auto keep = std::min(chosen_.size(), static_cast<std::size_t>(opt_.max_nodes));
+    std::partial_sort(chosen_.begin(), chosen_.begin() + static_cast<std::ptrdiff_t>(keep), chosen_.end(),
+                      [&](int a, int b) { return before(a, b); });
+    chosen_.resize(keep);
+    std::vector<std::vector<int>> paths;
+    paths.reserve(keep);
+    for (const int u : chosen_) {
+      path_of(u, path_);
+      paths.push_back(path_);
+    }
+    return paths;
+  }
+
+  // Adds the lookup's continuation as a branch: it follows drafted nodes proposing its tokens,
+  // then continues with nodes of rank `topk`.
+  void add_lookup_branch(std::vector<std::vector<int>>& paths, std::span<const std::int32_t> continuation) const {
+    std::vector<int> at;
+    int u = 0;  // the branch's node among the drafted ones while it follows them
+    bool own = false;
+    for (const std::int32_t t : continuation) {
+      int next = -1;
+      if (!own)
+        for (const auto& p : paths)
+          if (p.size() == at.size() + 1 && std::equal(at.begin(), at.end(), p.begin())) {
+            const int c = nodes_[static_cast<std::size_t>(u)].first_child + p.back();
+            if (nodes_[static_cast<std::size_t>(c)].token == t) {
+              next = p.back();
+              u = c;
+              break;
+            }
+          }
+      if (next < 0) {
+        own = true;
+        next = opt_.topk;
+      }
+      at.push_back(next);
+      if (own) paths.push_back(at);
+    }
+  }
+
+  // The token of the node at ranks `p` (rank `topk`: the lookup's token at that depth).
+  [[nodiscard]] std::int32_t token_at(const std::vector<int>& p) const {
+    int u = 0;
+    for (std::size_t d = 0; d < p.size(); ++d) {
+      if (p[d] == opt_.topk) return continuation_[p.size() - 1];
+      u = nodes_[static_cast<std::size_t>(u)].first_child + p[d];
+    }
+    return nodes_[static_cast<std::size_t>(u)].token;
+  }
+
+  void count_pass(int depth) {
+    if (passes_by_depth_.size() <= static_cast<std::size_t>(depth)) passes_by_depth_.resize(static_cast<std::size_t>(depth) + 1, 0);
+    ++passes_by_depth_[static_cast<std::size_t>(depth)];
+  }
+
+  Source source_;
+  draft_tree_options opt_;
+  std::optional<ngram_lookup> lookup_;
+  int max_nodes_ = 1, max_depth_ = 1;
+  int chain_end_ = -1;  // the node whose row ends the chain of rows in the drafter's cache; -1: none
+  std::vector<node> nodes_;
+  std::vector<int> frontier_, chosen_, pass_ids_, path_;
+  std::vector<char> in_pass_;
+  std::vector<std::vector<int>> pass_paths_;
+  std::vector<std::int32_t> pass_tokens_, ids_, continuation_;
+  std::vector<float> rows_;
+  std::vector<std::int64_t> passes_by_depth_;
+};
+
+MEDUSA_NAMESPACE_END

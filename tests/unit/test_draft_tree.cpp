@@ -1,0 +1,368 @@
+// SPDX-License-Identifier: Apache-2.0
+// Draft trees grown by a model-running drafter (draft_tree.hpp): the step's tree is the most
+// probable nodes of the drafter's expansion (checked against a brute-force ranking); each pass
+// runs the nodes to expand and their ancestors, root first, with the deepest last; growth stops
+// once no node still to expand can enter the tree; a draft model identical to the target gets a
+// whole path accepted every step; any draft model or feature drafter decodes exactly as plain
+// greedy decoding, alone, with a lookup branch, and for a batch of requests with their own draft
+// caches; bad options, a vocabulary mismatch and non-finite drafter rows are refused by name.
+#include "tiny_transformer.hpp"
+
+#include <medusa/decoder.hpp>
+#include <medusa/draft_model.hpp>
+#include <medusa/draft_tree.hpp>
+#include <medusa/feature_draft.hpp>
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace {
+
+using tiny::tiny_model;
+using token_path = std::vector<std::int32_t>;
+
+const std::vector<std::int32_t> prompt = {1, 5, 9, 13, 2, 7};
+
+medusa::decode_options tokens(int n) {
+  medusa::decode_options opt;
+  opt.max_new_tokens = n;
+  return opt;
+}
+
+// A drafter whose logit row after a node depends only on the node's token path (a hash of it),
+// checking every pass's shape: the root first with the history's last token, the nodes' tokens
+// those the drafter proposed along their paths, the rows wanted the pass's deepest nodes.
+struct scripted_source {
+  static constexpr int vocab = 12;
+  float peak = 0.0f;  // added to token (path length mod vocab): > 0 makes the rows confident
+  std::vector<float> rows;
+  std::vector<std::vector<int>> pass_sizes;  // per pass: nodes, outputs, cached rows
+  bool nan_after_root = false;
+
+  int vocab_size() const { return vocab; }
+
+  std::vector<float> row_of(const token_path& path) const {
+    std::uint64_t h = 1469598103934665603ull;
+    for (const std::int32_t t : path) h = (h ^ static_cast<std::uint64_t>(t + 1)) * 1099511628211ull;
+    std::mt19937 rng(static_cast<std::uint32_t>(h ^ (h >> 32)));
+    std::normal_distribution<float> n(0.0f, 1.5f);
+    std::vector<float> row(vocab);
+    for (float& z : row) z = n(rng);
+    row[path.size() % vocab] += peak;
+    return row;
+  }
+
+  std::span<const float> draft_root(int, std::span<const std::int32_t> history) {
+    rows = row_of({});
+    REQUIRE_FALSE(history.empty());
+    return rows;
+  }
+
+  std::span<const float> draft_pass(int, std::span<const std::int32_t> history, const medusa::draft_tree_pass& pass) {
+    const medusa::tree& t = pass.shape;
+    REQUIRE(pass.tokens.size() >= static_cast<std::size_t>(t.num_nodes()));
+    CHECK(pass.tokens[0] == history.back());
+    CHECK(pass.ids[0] == 0);
+    REQUIRE(pass.outputs >= 1);
+    REQUIRE(pass.outputs < t.num_nodes());
+    // The wanted rows are the pass's deepest nodes, all of them.
+    CHECK(t.depth_begin(t.depth()) == t.num_nodes() - pass.outputs);
+    pass_sizes.push_back({t.num_nodes(), pass.outputs, pass.cached});
+    rows.clear();
+    for (int i = t.num_nodes() - pass.outputs; i < t.num_nodes(); ++i) {
+      // The node's token path; each token must be the rank-th best of its parent's row.
+      token_path path;
+      for (int u = i; u > 0; u = t.parent(u)) path.push_back(pass.tokens[static_cast<std::size_t>(u)]);
+      std::reverse(path.begin(), path.end());
+      for (std::size_t d = 0; d < path.size(); ++d) {
+        const auto parent_row = row_of(token_path(path.begin(), path.begin() + static_cast<std::ptrdiff_t>(d)));
+        const float z = parent_row[static_cast<std::size_t>(path[d])];
+        int above = 0;
+        for (const float y : parent_row) above += y > z ? 1 : 0;
+        int u = i;
+        for (std::size_t up = d + 1; up < path.size(); ++up) u = t.parent(u);
+        CHECK(above == t.rank(u));
+      }
+      const auto row = row_of(path);
+      rows.insert(rows.end(), row.begin(), row.end());
+    }
+    if (nan_after_root) rows[3] = std::numeric_limits<float>::quiet_NaN();
+    return rows;
+  }
+};
+
+// Joint log-probabilities of every token path of the full expansion (topk children a node, down to
+// `depth`), in double.
+void expand_all(const scripted_source& s, const token_path& at, double logp, int topk, int depth,
+                std::vector<std::pair<double, token_path>>& out) {
+  if (static_cast<int>(at.size()) == depth) return;
+  const auto row = s.row_of(at);
+  double m = row[0], sum = 0;
+  for (const float z : row) m = std::max(m, static_cast<double>(z));
+  for (const float z : row) sum += std::exp(z - m);
+  std::vector<int> order(row.size());
+  for (std::size_t i = 0; i < row.size(); ++i) order[i] = static_cast<int>(i);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+  for (int r = 0; r < topk; ++r) {
+    token_path next = at;
+    next.push_back(order[static_cast<std::size_t>(r)]);
+    const double lp = logp + (row[static_cast<std::size_t>(order[static_cast<std::size_t>(r)])] - m) - std::log(sum);
+    out.emplace_back(lp, next);
+    expand_all(s, next, lp, topk, depth, out);
+  }
+}
+
+// The token paths of a drafted tree's nodes (root excluded).
+std::set<token_path> paths_of(const medusa::tree& t, std::span<const std::int32_t> node_tokens) {
+  std::set<token_path> out;
+  for (int i = 1; i < t.num_nodes(); ++i) {
+    token_path p;
+    for (int u = i; u > 0; u = t.parent(u)) p.push_back(node_tokens[static_cast<std::size_t>(u)]);
+    std::reverse(p.begin(), p.end());
+    out.insert(p);
+  }
+  return out;
+}
+
+// A feature drafter that honours a tree pass's mask: row i's state mixes its feature and token;
+// its logits depend on the states of its cache slots and of the rows it sees, its predicted feature
+// on its own row. Not the target: drafts are often rejected.
+struct masked_feature_drafter {
+  static constexpr int V = tiny_model::vocab, D = tiny_model::dim;
+  std::map<int, std::vector<float>> caches;
+  std::vector<float> a, bt;
+  int tree_passes = 0;
+
+  int vocab_size() const { return V; }
+  int hidden_size() const { return D; }
+  int max_context() const { return 511; }
+  void release(int request) { caches.erase(request); }
+  explicit masked_feature_drafter(std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    a.resize(static_cast<std::size_t>(V) * D);
+    for (float& x : a) x = n(rng) * 0.3f;
+    bt.resize(static_cast<std::size_t>(V) * V);
+    for (float& x : bt) x = n(rng);
+  }
+  void forward(const medusa::feature_batch& b) {
+    auto& slots = caches[b.request];
+    REQUIRE(b.cache_length <= static_cast<int>(slots.size()));
+    slots.resize(static_cast<std::size_t>(b.cache_length));
+    const int T = static_cast<int>(b.tokens.size());
+    if (!b.tree_mask.empty()) ++tree_passes;
+    float prefix = 0;
+    for (const float s : slots) prefix += s;
+    std::vector<float> state(static_cast<std::size_t>(T));
+    for (int i = 0; i < T; ++i) {
+      float fs = 0;
+      for (int k = 0; k < D; ++k) fs += b.features[static_cast<std::size_t>(i) * D + static_cast<std::size_t>(k)];
+      state[static_cast<std::size_t>(i)] = 0.01f * fs + static_cast<float>(b.tokens[static_cast<std::size_t>(i)]);
+    }
+    for (int i = 0; i < T; ++i) {
+      const int out = i - (T - b.outputs);
+      if (out < 0) continue;
+      float seen = prefix;
+      for (int j = 0; j <= i; ++j)
+        if (b.tree_mask.empty() ? true : b.tree_mask.visible(i, j)) seen += state[static_cast<std::size_t>(j)];
+      const float* f = b.features.data() + static_cast<std::size_t>(i) * D;
+      const auto tok = static_cast<std::size_t>(b.tokens[static_cast<std::size_t>(i)]);
+      for (int v = 0; v < V; ++v) {
+        float z = bt[tok * V + static_cast<std::size_t>(v)] + std::sin(0.01f * seen + static_cast<float>(v));
+        for (int k = 0; k < D; ++k) z += a[static_cast<std::size_t>(v) * D + static_cast<std::size_t>(k)] * f[k];
+        b.logits[static_cast<std::size_t>(out) * V + static_cast<std::size_t>(v)] = z;
+      }
+      for (int k = 0; k < D; ++k)
+        b.hidden[static_cast<std::size_t>(out) * D + static_cast<std::size_t>(k)] = std::tanh(f[k] + 0.1f * static_cast<float>(tok));
+    }
+    slots.insert(slots.end(), state.begin(), state.end());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a draft tree holds the most probable nodes of the drafter's expansion") {
+  constexpr int topk = 3, depth = 3;
+  scripted_source src;
+  std::vector<std::pair<double, token_path>> all;
+  expand_all(src, {}, 0.0, topk, depth, all);  // 3 + 9 + 27 nodes
+  std::stable_sort(all.begin(), all.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+  const std::vector<std::int32_t> history = {4, 2, 7};
+  for (const int n : {1, 2, 5, 12, 39}) {
+    CAPTURE(n);
+    medusa::tree_drafter<scripted_source> drafts(src, {.max_nodes = n, .max_depth = depth, .topk = topk, .expand = 9});
+    CHECK(drafts.max_nodes() == n + 1);
+    CHECK(drafts.max_depth() == depth);
+    std::vector<std::int32_t> node_tokens(static_cast<std::size_t>(drafts.max_nodes()));
+    const auto t = drafts.draft(0, history, {}, scripted_source::vocab, node_tokens);
+    REQUIRE(t);
+    CHECK(t->num_nodes() == n + 1);
+    CHECK(node_tokens[0] == history.back());
+    std::set<token_path> want;
+    for (int i = 0; i < n; ++i) want.insert(all[static_cast<std::size_t>(i)].second);
+    CHECK(paths_of(*t, node_tokens) == want);
+    // Siblings are ranked by the drafter: rank r is its r-th most probable token.
+    for (int u = 1; u < t->num_nodes(); ++u)
+      if (t->rank(u) > 0) {
+        const int prev = u - 1;
+        REQUIRE(t->parent(prev) == t->parent(u));
+      }
+  }
+}
+
+TEST_CASE("each depth expands its most probable nodes, and growth stops once nothing can enter") {
+  scripted_source src;
+  src.peak = 6.0f;  // the path-length token is far ahead: a confident chain
+  const std::vector<std::int32_t> history = {3};
+  medusa::tree_drafter<scripted_source> drafts(src, {.max_nodes = 3, .max_depth = 8, .topk = 2, .expand = 1});
+  std::vector<std::int32_t> node_tokens(static_cast<std::size_t>(drafts.max_nodes()));
+  const auto t = drafts.draft(0, history, {}, scripted_source::vocab, node_tokens);
+  REQUIRE(t);
+  // The confident chain of three: its nodes beat every sibling.
+  CHECK(t->num_nodes() == 4);
+  CHECK(t->depth() == 3);
+  CHECK(node_tokens[1] == 0);
+  CHECK(node_tokens[2] == 1);
+  CHECK(node_tokens[3] == 2);
+  // The root's row, then the chain's nodes at depths 1, 2 and 3; depth 4 could not enter.
+  const auto passes = drafts.source().pass_sizes;
+  REQUIRE(passes.size() == 3);
+  for (std::size_t d = 0; d < passes.size(); ++d) {
+    CHECK(passes[d][1] == 1);                                // one node expanded a depth
+    CHECK(passes[d][0] == static_cast<int>(d) + 2);          // the root and one node a depth
+    CHECK(passes[d][2] == static_cast<int>(d) + 1);          // a chain: only its new row runs
+  }
+  CHECK(drafts.passes_by_depth().size() == 4);
+}
+
+TEST_CASE("a draft tree's options, its drafter's vocabulary and rows are checked") {
+  scripted_source src;
+  auto bad = [&](medusa::draft_tree_options o, const char* what) {
+    CAPTURE(what);
+    CHECK_THROWS_WITH_AS(medusa::tree_drafter<scripted_source>(src, o), doctest::Contains(what), medusa::invalid_input);
+  };
+  bad({.max_nodes = 0}, "max_nodes");
+  bad({.max_depth = 0}, "max_depth");
+  bad({.topk = 0}, "topk");
+  bad({.topk = medusa::max_tree_topk}, "topk");
+  bad({.expand = 0}, "expand");
+  CHECK_THROWS_AS(medusa::tree_drafter<scripted_source>(src, {}, medusa::ngram_lookup{.max_tokens = 0}), medusa::invalid_input);
+
+  medusa::tree_drafter<scripted_source> drafts(src, {.max_nodes = 8, .max_depth = 3});
+  std::vector<std::int32_t> node_tokens(static_cast<std::size_t>(drafts.max_nodes()));
+  const std::vector<std::int32_t> history = {1, 2};
+  CHECK_THROWS_WITH_AS(drafts.draft(0, history, {}, scripted_source::vocab + 1, node_tokens),
+                       doctest::Contains("vocabulary of 12, the target 13"), medusa::acceptance_error);
+  std::vector<std::int32_t> short_tokens(3);
+  CHECK_THROWS_AS(drafts.draft(0, history, {}, scripted_source::vocab, short_tokens), medusa::acceptance_error);
+  drafts.source().nan_after_root = true;
+  try {
+    (void)drafts.draft(0, history, {}, scripted_source::vocab, node_tokens);
+    FAIL("a NaN drafter row was accepted");
+  } catch (const medusa::acceptance_error& e) {
+    CHECK(e.code() == medusa::acceptance_errc::non_finite_logit);
+    CHECK(std::string(e.what()).find("NaN") != std::string::npos);
+  }
+}
+
+TEST_CASE("a draft model identical to the target: a whole path accepted every step, tokens equal plain decoding") {
+  tiny_model target(512), draft(512);  // same seed: the same model
+  const auto opt = tokens(90);
+  const auto plain = medusa::generate_vanilla(target, prompt, medusa::greedy_policy{}, opt);
+  using branch = medusa::draft_model_branch<tiny_model>;
+  // expand 2: every pass runs its tree; expand 1: a chain and its siblings, each pass one new row.
+  for (const int expand : {2, 1}) {
+    CAPTURE(expand);
+    branch b(draft, target.vocab_size());
+    medusa::tree_drafter<branch> drafts(b, {.max_nodes = 10, .max_depth = 4, .topk = 2, .expand = expand});
+    medusa::no_heads none;
+    medusa::decoder dec(target, none, drafts, medusa::greedy_policy{});
+    const auto r = dec.generate(prompt, opt);
+    CHECK(r.tokens == plain.tokens);
+    // Each step accepts a whole path of four and adds the bonus token.
+    CHECK(r.stats.steps <= (r.stats.new_tokens + 4) / 5 + 1);
+    if (expand == 1)  // the catch-up, then one row a depth: as a chain of four would run
+      CHECK(b.tokens_run() <= static_cast<std::int64_t>(prompt.size()) + static_cast<std::int64_t>(r.stats.steps) * (5 + 3));
+    MESSAGE("trees of 10, expand " << expand << ": " << r.stats.steps << " steps for " << r.stats.new_tokens
+                                   << " tokens; the draft ran " << b.tokens_run() << " tokens in " << b.passes() << " passes");
+    b.release(0);
+  }
+}
+
+TEST_CASE("draft trees of another model are lossless, alone and with a lookup branch, to the context's end") {
+  tiny_model target(512), draft(512, /*seed=*/11);
+  using branch = medusa::draft_model_branch<tiny_model>;
+  for (const bool lookup : {false, true}) {
+    for (const int capacity : {512, 40}) {  // 40: the target's context ends inside the run
+      CAPTURE(lookup);
+      CAPTURE(capacity);
+      tiny_model t(capacity);
+      const auto opt = tokens(120);
+      const auto plain = medusa::generate_vanilla(t, prompt, medusa::greedy_policy{}, opt);
+      branch b(draft, t.vocab_size());
+      std::optional<medusa::ngram_lookup> ng;
+      if (lookup) ng = medusa::ngram_lookup{.max_tokens = 6};
+      medusa::tree_drafter<branch> drafts(b, {.max_nodes = 12, .max_depth = 5, .topk = 3, .expand = 3}, ng);
+      medusa::no_heads none;
+      medusa::decoder dec(t, none, drafts, medusa::greedy_policy{});
+      const auto r = dec.generate(prompt, opt);
+      CHECK(r.tokens == plain.tokens);
+      CHECK(r.reason == plain.reason);
+      CHECK(r.stats.steps < r.stats.new_tokens);
+      b.release(0);
+    }
+  }
+}
+
+TEST_CASE("a batch keeps one draft cache per request under draft trees, each decoding as plain greedy") {
+  tiny_model target(512), draft_w(512, /*seed=*/11);
+  tiny::batch_engine engine(target, 512), draft(draft_w, 512);
+  const std::vector<std::vector<std::int32_t>> prompts = {{1, 5, 9, 13}, {3, 3, 8}, {20, 1, 2, 30, 4, 11, 6}};
+  medusa::draft_model_branch<tiny::batch_engine> b(draft, target.vocab_size());
+  medusa::no_heads none;
+  medusa::batch_decoder dec(engine, none, medusa::tree_drafter(b, {.max_nodes = 8, .max_depth = 4, .topk = 2, .expand = 2}),
+                            medusa::greedy_policy{}, 4);
+  std::map<int, std::vector<std::int32_t>> out;
+  for (int r = 0; r < 3; ++r) dec.join(10 + r, prompts[static_cast<std::size_t>(r)], tokens(40 + 10 * r));
+  while (dec.size() > 0)
+    for (auto& u : dec.step())
+      if (u.finished) {
+        REQUIRE_FALSE(u.error);
+        out[u.request] = u.result.tokens;
+      }
+  for (int r = 0; r < 3; ++r) {
+    tiny_model alone(512);
+    CHECK(out[10 + r] ==
+          medusa::generate_vanilla(alone, prompts[static_cast<std::size_t>(r)], medusa::greedy_policy{}, tokens(40 + 10 * r)).tokens);
+  }
+}
+
+TEST_CASE("a feature drafter's trees are lossless: each node's row takes its parent's predicted feature") {
+  tiny_model target(512);
+  const auto opt = tokens(120);
+  const auto plain = medusa::generate_vanilla(target, prompt, medusa::greedy_policy{}, opt);
+  for (const int expand : {3, 1}) {
+    CAPTURE(expand);
+    masked_feature_drafter model(5);
+    medusa::feature_draft_branch<masked_feature_drafter> b(model, tiny_model::vocab, tiny_model::dim);
+    medusa::tree_drafter drafts(b, {.max_nodes = 12, .max_depth = 5, .topk = 3, .expand = expand});
+    static_assert(medusa::feature_observing<decltype(drafts)>);
+    CHECK(drafts.observes_features());
+    medusa::no_heads none;
+    medusa::decoder dec(target, none, drafts, medusa::greedy_policy{});
+    const auto r = dec.generate(prompt, opt);
+    CHECK(r.tokens == plain.tokens);
+    CHECK((model.tree_passes > 0) == (expand > 1));  // expand 1: chains, each new row after the cached ones
+    MESSAGE("feature trees, expand " << expand << ": " << r.stats.steps << " steps for " << r.stats.new_tokens << " tokens");
+  }
+}
