@@ -113,7 +113,16 @@ struct eagle_engine::impl {
       fail(engine_errc::bad_slot, "batch of " + std::to_string(T) + " rows at cache length " + std::to_string(b.cache_length) +
                                       " does not fit the context " + std::to_string(c.seq_len));
     detail::check_rows(c, b.tokens, b.positions, 0, "feature drafter: ", b.request);
-    detail::check_outputs(c, 1, b.logits, b.hidden);
+    if (b.outputs < 1 || sz(b.outputs) > T)
+      fail(engine_errc::bad_output, "outputs for " + std::to_string(b.outputs) + " of " + std::to_string(T) + " rows");
+    detail::check_outputs(c, sz(b.outputs), b.logits, b.hidden);
+    if (!b.tree_mask.empty()) {
+      // A tree's rows see each other only within one pass: no chunks.
+      if (static_cast<int>(T) > opt.max_rows)
+        fail(engine_errc::bad_batch, "a tree pass of " + std::to_string(T) + " rows exceeds max_rows " +
+                                         std::to_string(opt.max_rows));
+      detail::check_tree_mask(b.tree_mask, static_cast<int>(T));
+    }
   }
 
   // x = W_fc [E(token); feature] for rows [r0, r0 + n): one GEMM on the engine's kernels.
@@ -133,15 +142,19 @@ struct eagle_engine::impl {
     validate(b);
     cache& kv = cache_of(b.request);
     const int T = static_cast<int>(b.tokens.size());
+    const int first_out = T - b.outputs;
+    const std::size_t V = sz(config().vocab_size), d = sz(config().dim);
     for (int c0 = 0; c0 < T; c0 += opt.max_rows) {
       const int n = std::min(opt.max_rows, T - c0);
       project(b, c0, n);
-      const bool last = c0 + n == T;
-      out_rows.assign(last ? 1 : 0, n - 1);
-      const detail::segment<medusa::kv_cache_view<float>> seg{0, n, b.cache_length + c0, kv.view, {}};
+      // Output rows of this chunk, local to it; they go to the outputs' rows from `done` on.
+      out_rows.clear();
+      for (int i = std::max(c0, first_out); i < c0 + n; ++i) out_rows.push_back(i - c0);
+      const std::size_t done = sz(std::max(0, c0 - first_out));
+      const detail::segment<medusa::kv_cache_view<float>> seg{0, n, b.cache_length + c0, kv.view, b.tree_mask};
       stack.run(b.tokens.subspan(sz(c0), sz(n)), b.positions.subspan(sz(c0), sz(n)), std::span(&seg, 1),
-                std::span<const int>(out_rows), last && !b.logits.empty() ? b.logits.data() : nullptr,
-                last && !b.hidden.empty() ? b.hidden.data() : nullptr, x.data());
+                std::span<const int>(out_rows), !out_rows.empty() && !b.logits.empty() ? b.logits.data() + done * V : nullptr,
+                !out_rows.empty() && !b.hidden.empty() ? b.hidden.data() + done * d : nullptr, x.data());
     }
   }
 };
@@ -159,7 +172,7 @@ eagle_engine::eagle_engine(model layer, std::vector<float> fc, eagle_options o) 
   p_ = std::make_unique<impl>(std::move(layer), std::move(fc), o);
   p_->x.resize(sz(o.max_rows) * sz(c.dim));
   p_->u.resize(sz(o.max_rows) * 2 * sz(c.dim));
-  p_->out_rows.reserve(1);
+  p_->out_rows.reserve(sz(o.max_rows));
 }
 
 eagle_engine eagle_engine::load(const std::filesystem::path& dir, const model_config& target, eagle_options o) {

@@ -2,8 +2,8 @@
 // A trained feature drafter decodes as it was trained: `medusa_llama::eagle_engine` over what
 // `eagle_model` writes (`to_model()`, fc.bin) gives the trainer's logits and predicted features,
 // whether the rows run in one pass, in chunks, or as a catch-up after kept slots; a drafted row
-// after overwritten slots equals the trainer's `extend`; requests keep their own caches; the
-// projection file round-trips, and damaged ones are refused with errors that name the problem; the
+// after overwritten slots equals the trainer's `extend`; a draft tree's pass gives each node the
+// outputs of its path's causal rows; requests keep their own caches; the projection file round-trips, and damaged ones are refused with errors that name the problem; the
 // snippet of docs/decoder.md decodes on the example engine exactly as plain greedy decoding.
 #include <medusa_train/dense_model.hpp>
 #include <medusa_train/eagle_model.hpp>
@@ -15,6 +15,7 @@
 #include <medusa/decoder.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/feature_draft.hpp>
+#include <medusa/tree.hpp>
 
 #include <doctest/doctest.h>
 
@@ -152,6 +153,73 @@ TEST_CASE("eagle_engine computes what eagle_model trained: one pass, chunks, cat
     e.release(7);
     CHECK(e.requests() == 0);
   }
+}
+
+TEST_CASE("eagle_engine runs a draft tree's pass: each node's outputs are those of the causal rows of its path") {
+  const auto target = random_target(medusa_llama::rope_style::adjacent_pairs);
+  const eagle_model em = random_drafter(target);
+  std::vector<float> fc(em.fc().begin(), em.fc().end());
+  medusa_llama::eagle_engine e(em.to_model(), fc, {.threads = 2, .max_rows = 16});
+  const int kept = 11;
+  const auto tokens = stack_test::random_tokens(40, vocab, 12);
+  const auto f = random_rows(40, 13);
+  // A tree of 7 nodes: root, two children, then [0,0], [0,1], [1,0], [0,0,0].
+  const medusa::tree t = medusa::tree::from_paths({{0}, {1}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}});
+  const int T = t.num_nodes();
+  // Node i's row: token tokens[kept + i], feature row kept + i, position kept + depth.
+  std::vector<std::int32_t> node_tokens(tokens.begin() + kept, tokens.begin() + kept + T), pos;
+  for (int i = 0; i < T; ++i) pos.push_back(kept + t.node_depth(i));
+  const auto node_f = std::span<const float>(f).subspan(static_cast<std::size_t>(kept) * dim, static_cast<std::size_t>(T) * dim);
+  run_rows(e, 1, tokens, f, 0, kept);  // request 1 runs each node's path after the same kept slots
+  for (const int outputs : {1, 3, T}) {
+    CAPTURE(outputs);
+    run_rows(e, 0, tokens, f, 0, kept);
+    std::vector<float> logits(static_cast<std::size_t>(outputs) * vocab), hidden(static_cast<std::size_t>(outputs) * dim);
+    medusa::feature_batch b;
+    b.tokens = node_tokens;
+    b.features = node_f;
+    b.positions = pos;
+    b.cache_length = kept;
+    b.logits = logits;
+    b.hidden = hidden;
+    b.tree_mask = t.mask_view();
+    b.outputs = outputs;
+    e.forward(b);
+    for (int j = 0; j < outputs; ++j) {
+      const int node = T - outputs + j;
+      CAPTURE(node);
+      // The node's path, root first, as causal rows after the kept slots.
+      std::vector<int> path;
+      for (int u = node; u >= 0; u = t.parent(u)) path.insert(path.begin(), u);
+      std::vector<std::int32_t> ptok;
+      std::vector<float> pf;
+      for (const int u : path) {
+        ptok.push_back(node_tokens[static_cast<std::size_t>(u)]);
+        pf.insert(pf.end(), node_f.begin() + u * dim, node_f.begin() + (u + 1) * dim);
+      }
+      std::vector<std::int32_t> ptokens(tokens.begin(), tokens.begin() + kept);
+      ptokens.insert(ptokens.end(), ptok.begin(), ptok.end());
+      std::vector<float> pfeat(f.begin(), f.begin() + kept * dim);
+      pfeat.insert(pfeat.end(), pf.begin(), pf.end());
+      const pass_out want = run_rows(e, 1, ptokens, pfeat, kept, static_cast<int>(ptokens.size()));
+      CHECK(max_rel(std::span<const float>(logits).subspan(static_cast<std::size_t>(j) * vocab, vocab), want.logits) < 1e-5);
+      CHECK(max_rel(std::span<const float>(hidden).subspan(static_cast<std::size_t>(j) * dim, dim), want.hidden) < 1e-5);
+    }
+  }
+  // A tree pass must fit one pass of max_rows, and outputs lie in [1, T].
+  medusa_llama::eagle_engine small(em.to_model(), fc, {.threads = 1, .max_rows = 4});
+  std::vector<float> logits(vocab), hidden(dim);
+  medusa::feature_batch b;
+  b.tokens = node_tokens;
+  b.features = node_f;
+  b.positions = pos;
+  b.cache_length = kept;
+  b.logits = logits;
+  b.hidden = hidden;
+  b.tree_mask = t.mask_view();
+  CHECK_THROWS_WITH_AS(small.forward(b), doctest::Contains("exceeds max_rows 4"), medusa_llama::engine_error);
+  b.outputs = 0;
+  CHECK_THROWS_WITH_AS(e.forward(b), doctest::Contains("outputs for 0 of 7 rows"), medusa_llama::engine_error);
 }
 
 TEST_CASE("eagle_engine refuses bad shapes and arguments, and fc.bin files that are damaged") {

@@ -5,8 +5,8 @@
 //!
 //! Row i takes the target's feature f_i (its final-normed hidden state at position i) and the
 //! token t_{i+1} after it: x_i = W_fc [E(t_{i+1}); f_i], with E the target's token embedding and
-//! W_fc `[dim][2·dim]`; then one Llama decoder layer (RoPE at position i, causal attention over the
-//! request's own cache) and a final RMSNorm give the predicted feature g_i ≈ f_{i+1}, and the
+//! W_fc `[dim][2·dim]`; then one Llama decoder layer (RoPE at position i, attention over the
+//! request's own cache, causal or a draft tree's mask) and a final RMSNorm give the predicted feature g_i ≈ f_{i+1}, and the
 //! target's classifier gives the logits of t_{i+2}. The layer, the embedding, the final norm and
 //! the classifier are a one-layer `model` (as `medusa-train --recipe eagle` writes it); each
 //! request has its own cache of the model's context.
@@ -35,7 +35,8 @@ struct eagle_options {
   thread_pool* pool = nullptr;                  //!< run on this pool (the target's) instead
   weight_format weights = weight_format::f32;   //!< precision of the layer's projections and classifier
                                                 //!< and input projection (not `int8`)
-  int max_rows = 64;                            //!< rows of one pass; longer catch-ups run in chunks
+  int max_rows = 64;                            //!< rows of one pass; longer catch-ups run in chunks,
+                                                //!< a draft tree's pass must fit in one
 };
 
 //! The file name of a feature drafter's input projection beside its `model.bin`.
