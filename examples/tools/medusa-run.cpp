@@ -6,6 +6,7 @@
 //              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
 //              [--cost-cache DIR|none] [--calibrate-out F] [--lookup N] [--lookup-ngram MIN:MAX] [--dynamic]
 //              [--draft-model F | --self-draft-layers K | --eagle DIR] [--draft-tokens N|auto] [--draft-alone]
+//              [--draft-nodes N [--draft-topk K] [--draft-expand E]]
 //              [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16|int8|q4] [--classifier-weights F] [--draft-weights F] [--draft-threads N] [--head-weights int8|q8_0|q4|bf16|f32]
@@ -67,6 +68,19 @@ int run(run_args a) {
     a.draft_tokens = static_cast<int>(a.draft_chain.size());
   }
   if (a.draft_alone && a.dynamic) throw usage_error("--draft-alone drafts no heads' tree: it takes no --dynamic");
+  if (a.draft_nodes < 0 || a.draft_nodes > 256)
+    throw usage_error("--draft-nodes must be in [0, 256], got " + std::to_string(a.draft_nodes));
+  if (a.draft_topk < 1 || a.draft_topk > 64) throw usage_error("--draft-topk must be in [1, 64], got " + std::to_string(a.draft_topk));
+  if (a.draft_expand && (*a.draft_expand < 1 || *a.draft_expand > 64))
+    throw usage_error("--draft-expand must be in [1, 64], got " + std::to_string(*a.draft_expand));
+  if (a.draft_nodes > 0) {
+    if (!drafted || !a.draft_alone)
+      throw usage_error("--draft-nodes grows a drafter's own tree: it needs --draft-model, --self-draft-layers or --eagle with "
+                        "--draft-alone");
+    if (a.draft_tokens_auto) throw usage_error("--draft-tokens auto chooses a chain: give --draft-nodes a number of tokens (its depth)");
+    if (a.policy == medusa::speculative_policy::name)
+      throw usage_error("--policy speculative samples a drafter's chains: it takes no --draft-nodes");
+  }
   if (a.policy == medusa::speculative_policy::name && want_medusa && (!drafted || !a.draft_alone || a.lookup > 0))
     throw usage_error("--policy speculative samples a drafter's chains and verifies them against the drafter's own "
                       "distribution: it needs --draft-model, --self-draft-layers or --eagle with --draft-alone, no --lookup");
@@ -188,6 +202,11 @@ int main(int argc, char** argv) {
          },
          "the draft's chain length, or auto: the fastest on this machine from the draft's calibration.json "
          "(medusa-train --recipe draft) and measured step costs (default 4)");
+  app.add_option("--draft-nodes", a.draft_nodes,
+                 "with --draft-alone: the drafter grows each step's tree best first by its own joint probability, this many "
+                 "nodes, --draft-tokens deep (one drafter pass a depth); 0 = a chain (default)");
+  app.add_option("--draft-topk", a.draft_topk, "--draft-nodes: children scored under a node (default 4)");
+  app.add_option("--draft-expand", a.draft_expand, "--draft-nodes: nodes expanded a depth, the most probable (default: --draft-topk)");
   app.add_flag("--draft-alone", a.draft_alone, "the step's tree is the draft's chain (and --lookup) only, without the heads' tree");
   app.add_flag("--dynamic", a.dynamic, "per-step dynamic trees: each step's most probable paths under the heads, as many nodes as the tree");
   app.add_option("--calibration", a.calibration, "--tree auto: the heads' calibration (default: calibration.json beside them)");

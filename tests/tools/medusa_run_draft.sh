@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # medusa-run with a draft model: the target's first layers (--self-draft-layers) alone, beside the
-# heads' tree and with a prompt lookup, and the target itself as --draft-model (every chain
-# accepted: 4 tokens a step), one request and three prompts two at a time (--prompts-file --batch);
+# heads' tree and with a prompt lookup, its trees (--draft-nodes), and the target itself as
+# --draft-model (every chain accepted, or a tree's greedy path when the tree holds the whole
+# expansion: 4 tokens a step), one request and three prompts two at a time (--prompts-file --batch);
 # every request's Medusa tokens equal plain greedy decoding, and the draft ran. Then --policy
 # speculative (chains sampled from the draft's distribution): at T = 0 it is greedy decoding, at
 # T = 0.8 it samples every token asked for, with the target itself as draft accepting all.
@@ -13,7 +14,8 @@ pycode="$shared/models/pycode-15m/model.bin"
 if [ ! -f "$pycode" ]; then echo "shared models not found: skipped"; exit 77; fi
 status=0
 for extra in "--self-draft-layers 4 --draft-alone" "--self-draft-layers 4 --tree mc_sim_7b_63" \
-             "--self-draft-layers 4 --draft-alone --lookup 6" "--draft-model $pycode --draft-alone"; do
+             "--self-draft-layers 4 --draft-alone --lookup 6" "--draft-model $pycode --draft-alone" \
+             "--self-draft-layers 4 --draft-alone --draft-nodes 10 --lookup 6" "--draft-model $pycode --draft-alone --draft-nodes 14 --draft-topk 2"; do
   min_per_step=1
   case $extra in --draft-model*) min_per_step=3.5 ;; esac
   # shellcheck disable=SC2086  # $extra holds several words
@@ -62,7 +64,8 @@ done
 mkdir -p "$scratch"
 printf '%s\n' 'import os\nimport sys\n' 'class Stack:\n    def __init__(self):\n' 'def parse_args(argv):\n' \
   > "$scratch/draft_prompts.txt"
-for extra in "--self-draft-layers 4 --draft-alone" "--draft-model $pycode --draft-alone"; do
+for extra in "--self-draft-layers 4 --draft-alone" "--draft-model $pycode --draft-alone" \
+             "--draft-model $pycode --draft-alone --draft-nodes 8 --draft-topk 2"; do
   # shellcheck disable=SC2086  # $extra holds several words
   summary=$("$tool" --model "$pycode" --heads random:4 --draft-tokens 3 $extra --prompts-file "$scratch/draft_prompts.txt" \
             --batch 2 --mode both --max-new-tokens 32 --threads 1 --json 2>/dev/null | tail -n 1)

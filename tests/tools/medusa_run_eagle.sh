@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # medusa-run --eagle with a feature drafter medusa-train --recipe eagle wrote for stories260K: its
 # chains alone (fixed length and auto, f32 and bf16 weights, on the target's threads and on a thread
-# of its own), with a prompt lookup, beside the heads' tree, and for a batch of requests, every
+# of its own), its trees (--draft-nodes, with a lookup too), with a prompt lookup, beside the heads'
+# tree, and for a batch of requests (chains and trees), every
 # request's tokens equal to plain greedy decoding and the drafter ran;
 # --policy speculative samples its chains (every token asked for, at T = 0 the greedy tokens); a
 # drafter for another width and speculative sampling beside a lookup are refused with errors that
@@ -34,6 +35,8 @@ assert len(plain) == 1 and len(med) == 1, rows
 assert med[0]["tokens"] == plain[0]["tokens"] and len(plain[0]["tokens"]) > 0, "tokens differ"
 d = med[0]["tree"]["drafts"]
 assert d["eagle"] and d["draft_tokens_run"] > 0 and d["draft_passes"] > 0 and 0 < d["draft_share"] < 1, d
+if "--draft-nodes" in sys.argv[1]:
+    assert d["draft_tree"]["nodes"] > 0 and d["draft_passes"] > 0, d
 if "auto" in sys.argv[1]:
     a = d["draft_tokens_auto"]
     assert 1 <= a["chosen"] <= 8 and d["draft_tokens"] == a["chosen"] and a["draft_pass_seconds"] > 0, a
@@ -45,7 +48,8 @@ print("%s: %d tokens identical to plain, %.2f per step, the drafter ran %d rows 
 fail=0
 for extra in "--draft-alone --draft-tokens 3" "--draft-alone --draft-tokens auto" "--draft-alone --draft-tokens 4 --lookup 6" \
              "--draft-tokens 3 --tree mc_sim_7b_63" "--draft-alone --draft-tokens 3 --draft-weights bf16" \
-             "--draft-alone --draft-tokens 3 --draft-threads 1"; do
+             "--draft-alone --draft-tokens 3 --draft-threads 1" "--draft-alone --draft-tokens 4 --draft-nodes 10 --draft-topk 3" \
+             "--draft-alone --draft-tokens 5 --draft-nodes 8 --draft-topk 2 --draft-expand 1 --lookup 6"; do
   out=$("$run" "${common[@]}" $extra --prompt "Once upon a time" 2>"$dir/run.err")
   rc=$?
   if ! printf '%s\n' "$out" | check_single "$extra"; then echo "FAIL [$extra]: exit $rc"; cat "$dir/run.err"; fail=1; fi
@@ -53,7 +57,8 @@ done
 
 # A batch: each request its own drafter cache, requests joining as others finish.
 printf 'Once upon a time\nThe little cat\nTom and Lily went\nOne day a bird\nThe sun was\n' > "$dir/batch_prompts.txt"
-out=$("$run" "${common[@]}" --draft-alone --draft-tokens 3 --draft-threads 1 --prompts-file "$dir/batch_prompts.txt" --batch 2 \
+for extra in "--draft-threads 1" "--draft-nodes 8"; do
+out=$("$run" "${common[@]}" --draft-alone --draft-tokens 3 $extra --prompts-file "$dir/batch_prompts.txt" --batch 2 \
       2>"$dir/run.err")
 rc=$?
 if ! printf '%s\n' "$out" | python3 -c '
@@ -66,7 +71,8 @@ assert s["identical"] is True and s["vanilla"]["tokens"] == s["medusa"]["tokens"
 d = s["tree"]["drafts"]
 assert d["eagle"] and d["draft_tokens_run"] > 0, d
 print("batch of 2 over 5 requests: tokens identical to plain, the drafter ran %d rows" % d["draft_tokens_run"])
-'; then echo "FAIL [batch]: exit $rc"; cat "$dir/run.err"; fail=1; fi
+'; then echo "FAIL [batch $extra]: exit $rc"; cat "$dir/run.err"; fail=1; fi
+done
 
 # Speculative sampling from the drafter's own distribution: T = 0 is greedy decoding, T = 0.8 gives
 # every token asked for.

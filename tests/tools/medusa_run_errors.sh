@@ -65,6 +65,14 @@ PY
   draft_both)        want=2; pat='give one of --draft-model, --self-draft-layers and --eagle'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-model "$pycode") ;;
   draft_tokens)      want=2; pat='--draft-tokens must be in'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-tokens 0) ;;
   draft_alone)       want=2; pat='--draft-alone needs';   args=(--model "$pycode" --heads random:4 --draft-alone) ;;
+  draft_nodes_alone) want=2; pat='--draft-nodes grows a drafter.s own tree: it needs'
+                     args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-nodes 8 --prompt x) ;;
+  draft_nodes_range) want=2; pat='--draft-nodes must be in \[0, 256\], got 300'
+                     args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-alone --draft-nodes 300 --prompt x) ;;
+  draft_topk)        want=2; pat='--draft-topk must be in \[1, 64\], got 0'
+                     args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-alone --draft-nodes 8 --draft-topk 0 --prompt x) ;;
+  draft_nodes_sampled) want=2; pat='--policy speculative samples a drafter.s chains: it takes no --draft-nodes'
+                     args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-alone --draft-nodes 8 --policy speculative --prompt x) ;;
   *) echo "unknown case $case"; exit 1 ;;
 esac
 

@@ -62,7 +62,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   medusa_llama::batch_engine_options eo;
   eo.threads = a.threads;
   eo.max_requests = *a.batch;
-  const int branch_tokens = std::max(a.lookup, a.drafted() ? a.draft_tokens : 0);
+  const int branch_tokens = a.draft_rows();
   eo.max_tokens =
       std::max(256, *a.batch * ((auto_tree ? a.max_nodes : given_tree ? given_tree->num_nodes() : 1) + branch_tokens));
   set_weight_formats(eo, a, lm.weights);
@@ -88,7 +88,7 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   if (a.mode != run_mode::vanilla && !a.eagle.empty())
     eagle_engine.emplace(medusa_llama::eagle_engine::load(
         a.eagle, eng.config(), {.threads = a.draft_threads, .pool = draft_pool(a, eng.pool()),
-         .weights = a.draft_weights.value_or(eagle_default_weights)}));
+         .weights = a.draft_weights.value_or(eagle_default_weights), .max_rows = std::max(64, a.draft_pass_rows())}));
   tree_choice choice;
   std::size_t prompt_sum = 0;
   for (const auto& p : prompts) prompt_sum += p.size();

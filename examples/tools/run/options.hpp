@@ -10,6 +10,7 @@
 
 #include "tool_common.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -32,12 +33,23 @@ struct run_args {
   std::string draft_model;                               // a draft model proposing chains (--draft-model)
   int self_draft_layers = 0;                             // the target's first k layers as the draft (0 = off)
   std::string eagle;                                     // a feature drafter's directory (--eagle)
-  int draft_tokens = 4;                                  // the draft's chain length
+  int draft_tokens = 4;                                  // the draft's chain length (a tree's depth)
+  int draft_nodes = 0;                                   // > 0: the drafter grows trees of this many nodes
+  int draft_topk = 4;                                    // a draft tree's children a node
+  std::optional<int> draft_expand;                       // a draft tree's nodes expanded a depth (unset: draft_topk)
+  [[nodiscard]] int draft_expanded() const { return draft_expand.value_or(draft_topk); }
   bool draft_tokens_auto = false;                        // --draft-tokens auto: chosen from calibration and costs
   std::vector<double> draft_chain;                       // --draft-tokens auto: the draft's calibration (read once)
   bool draft_alone = false;                              // the step's tree is the draft's chain (and lookup) only
   // Whether a drafter with chains was asked for (--draft-model, --self-draft-layers or --eagle).
   [[nodiscard]] bool drafted() const { return !draft_model.empty() || self_draft_layers != 0 || !eagle.empty(); }
+  // Nodes the per-step drafts add to a step's tree beyond the heads': a draft tree's and the
+  // lookup's, or the longer of the lookup's and the drafter's chain.
+  [[nodiscard]] int draft_rows() const {
+    return draft_nodes > 0 ? draft_nodes + lookup : std::max(lookup, drafted() ? draft_tokens : 0);
+  }
+  // Rows of a draft tree's pass: the root and at most `draft_expanded()` nodes a depth.
+  [[nodiscard]] int draft_pass_rows() const { return 1 + draft_expanded() * draft_tokens; }
   std::string calibrate_out;                             // write path counts of the greedy outputs here
   std::optional<int> batch;  // requests at once with --prompts-file (default 1)
   run_mode mode = run_mode::medusa;

@@ -74,6 +74,13 @@ auto_inputs prepare_auto(const run_args& a) {
 
 std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads, draft_source draft) {
   if (a.lookup == 0 && !a.dynamic && !draft.find) return std::nullopt;
+  if (a.draft_nodes > 0) {  // checked by the caller: a drafter alone
+    std::optional<medusa::ngram_lookup> lookup;
+    if (a.lookup > 0) lookup = medusa::ngram_lookup{.min_ngram = a.lookup_min, .max_ngram = a.lookup_max, .max_tokens = a.lookup};
+    return run_drafter(medusa::tree_drafter<run_tree_source>(
+        run_tree_source{std::move(draft)},
+        {.max_nodes = a.draft_nodes, .max_depth = a.draft_tokens, .topk = a.draft_topk, .expand = a.draft_expanded()}, lookup));
+  }
   medusa::basic_step_drafter_options<run_branch> o;
   if (a.dynamic) o.dynamic_nodes = t.num_nodes();
   else if (!a.draft_alone) o.paths = t.sorted_paths();
@@ -84,7 +91,7 @@ std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t
     b.draft = std::move(draft);
     o.lookup = std::move(b);
   }
-  return run_drafter(std::move(o), heads);
+  return run_drafter(medusa::basic_step_drafter<run_branch>(std::move(o), heads));
 }
 
 std::optional<medusa_llama::model> load_draft(const run_args& a, const medusa_llama::loaded_model& lm) {
@@ -132,6 +139,7 @@ nlohmann::json describe_drafts(const run_args& a) {
     j["eagle"] = a.eagle.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.eagle);
     j["draft_tokens"] = a.draft_tokens;
     j["draft_alone"] = a.draft_alone;
+    if (a.draft_nodes > 0) j["draft_tree"] = {{"nodes", a.draft_nodes}, {"depth", a.draft_tokens}, {"topk", a.draft_topk}, {"expand", a.draft_expanded()}};
   }
   return j;
 }

@@ -6,6 +6,7 @@
 #include <medusa/decoder/calibrate.hpp>
 #include <medusa/dispatch/tree.hpp>
 #include <medusa/draft_model.hpp>
+#include <medusa/draft_tree.hpp>
 #include <medusa/feature_draft.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/io.hpp>
@@ -149,32 +150,53 @@ tree_choice choose_auto_tree(const run_args& a, const auto_inputs& in, Engine& e
   return c;
 }
 
-// A drafter's chains (--draft-model, --self-draft-layers: any `draft_model_branch`; --eagle: a
-// `feature_draft_branch`, which reads the target's features), over the single-request engine or
-// the serving engine (--prompts-file), behind one type.
+// A drafter's chains and trees (--draft-model, --self-draft-layers: any `draft_model_branch`;
+// --eagle: a `feature_draft_branch`, which reads the target's features), over the single-request
+// engine or the serving engine (--prompts-file), behind one type.
 struct draft_source {
   int tokens = 0;  // chain length; 0 = no drafter
   std::function<int(int, std::span<const std::int32_t>, std::span<std::int32_t>)> find;
   std::function<void(int)> release;
   std::function<void(int, int, std::span<const float>)> observe;  // set for a feature drafter
+  // The `tree_draft_source` members (--draft-nodes).
+  int vocab = 0;
+  std::function<std::span<const float>(int, std::span<const std::int32_t>)> root;
+  std::function<std::span<const float>(int, std::span<const std::int32_t>, const medusa::draft_tree_pass&)> pass;
 
-  template <class Draft>
-  static draft_source of(medusa::draft_model_branch<Draft> b) {
-    return {b.max_tokens(),
-            [b](int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) mutable {
-              return b.find(request, history, out);
-            },
-            [b](int request) mutable { b.release(request); },
-            {}};
+  template <class Branch>
+  static draft_source of(Branch b) {
+    draft_source s{b.max_tokens(),
+                   [b](int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) mutable {
+                     return b.find(request, history, out);
+                   },
+                   [b](int request) mutable { b.release(request); },
+                   {},
+                   b.vocab_size(),
+                   [b](int request, std::span<const std::int32_t> history) mutable { return b.draft_root(request, history); },
+                   [b](int request, std::span<const std::int32_t> history, const medusa::draft_tree_pass& p) mutable {
+                     return b.draft_pass(request, history, p);
+                   }};
+    if constexpr (requires { Branch::observes_features(); })
+      s.observe = [b](int request, int position, std::span<const float> rows) mutable { b.observe(request, position, rows); };
+    return s;
   }
-  template <class Model>
-  static draft_source of(medusa::feature_draft_branch<Model> b) {
-    return {b.max_tokens(),
-            [b](int request, std::span<const std::int32_t> history, std::span<std::int32_t> out) mutable {
-              return b.find(request, history, out);
-            },
-            [b](int request) mutable { b.release(request); },
-            [b](int request, int position, std::span<const float> rows) mutable { b.observe(request, position, rows); }};
+};
+
+// A drafter's trees (--draft-nodes): the `tree_draft_source` of a `draft_source`.
+struct run_tree_source {
+  draft_source draft;
+
+  [[nodiscard]] int vocab_size() const { return draft.vocab; }
+  std::span<const float> draft_root(int request, std::span<const std::int32_t> history) { return draft.root(request, history); }
+  std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const medusa::draft_tree_pass& p) {
+    return draft.pass(request, history, p);
+  }
+  void release(int request) {
+    if (draft.release) draft.release(request);
+  }
+  [[nodiscard]] bool observes_features() const { return static_cast<bool>(draft.observe); }
+  void observe(int request, int position, std::span<const float> rows) {
+    if (draft.observe) draft.observe(request, position, rows);
   }
 };
 
@@ -203,10 +225,39 @@ struct run_branch {
     if (draft.observe) draft.observe(request, position, rows);
   }
 };
-using run_drafter = medusa::basic_step_drafter<run_branch>;
+
+// The per-step drafts of a run, one type for the decoders: the heads' tree (or none) with a branch
+// (--lookup, a drafter's chain), or a drafter's own trees (--draft-nodes).
+class run_drafter {
+ public:
+  explicit run_drafter(medusa::basic_step_drafter<run_branch> d) : chain_(std::move(d)) {}
+  explicit run_drafter(medusa::tree_drafter<run_tree_source> d) : tree_(std::move(d)) {}
+
+  [[nodiscard]] int max_nodes() const { return chain_ ? chain_->max_nodes() : tree_->max_nodes(); }
+  [[nodiscard]] int max_depth() const { return chain_ ? chain_->max_depth() : tree_->max_depth(); }
+  [[nodiscard]] int heads_depth() const { return chain_ ? chain_->heads_depth() : tree_->heads_depth(); }
+  std::optional<medusa::tree> draft(int request, std::span<const std::int32_t> history, std::span<const float> head_logits,
+                                    int vocab, std::span<std::int32_t> node_tokens) {
+    return chain_ ? chain_->draft(request, history, head_logits, vocab, node_tokens)
+                  : tree_->draft(request, history, head_logits, vocab, node_tokens);
+  }
+  [[nodiscard]] bool observes_features() const { return chain_ ? chain_->observes_features() : tree_->observes_features(); }
+  void observe(int request, int position, std::span<const float> rows) {
+    if (chain_) chain_->observe(request, position, rows);
+    else tree_->observe(request, position, rows);
+  }
+  void release(int request) {
+    if (chain_) chain_->release(request);
+    else tree_->release(request);
+  }
+
+ private:
+  std::optional<medusa::basic_step_drafter<run_branch>> chain_;
+  std::optional<medusa::tree_drafter<run_tree_source>> tree_;
+};
 
 // Per-step drafts (--lookup, --dynamic, a draft model): a drafter over the chosen tree (or, with
-// --draft-alone, without it), or nothing.
+// --draft-alone, without it), a drafter's own trees (--draft-nodes), or nothing.
 std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads, draft_source draft = {});
 
 // The draft model's weights (--self-draft-layers: the target's first layers; --draft-model: the

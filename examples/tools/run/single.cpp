@@ -24,7 +24,7 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   eo.threads = a.threads;
   const bool drafted = want_medusa && a.drafted();
   eo.max_batch = std::max(64, (auto_tree ? a.max_nodes : want_medusa ? tree->num_nodes() : 1) +
-                                  std::max(a.lookup, drafted ? a.draft_tokens : 0));
+                                  a.draft_rows());
   eo.backend = medusa_llama::gemm_backend::builtin;
   set_weight_formats(eo, a, lm.weights);
   // The draft model (--draft-model, --self-draft-layers): its own engine and cache; passes as
@@ -49,7 +49,7 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
   if (want_medusa && !a.eagle.empty())
     eagle_engine.emplace(medusa_llama::eagle_engine::load(
         a.eagle, model.config(), {.threads = a.draft_threads, .pool = draft_pool(a, model.pool()),
-         .weights = a.draft_weights.value_or(eagle_default_weights)}));
+         .weights = a.draft_weights.value_or(eagle_default_weights), .max_rows = std::max(64, a.draft_pass_rows())}));
   tree_choice choice;
   if (auto_tree) {
     choice = choose_auto_tree(a, ain, model, head_w, 1, eo.max_batch, static_cast<int>(prompt.size()) + a.max_new_tokens / 2);
