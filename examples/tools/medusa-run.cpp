@@ -6,7 +6,7 @@
 //              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
 //              [--cost-cache DIR|none] [--calibrate-out F] [--lookup N] [--lookup-ngram MIN:MAX] [--dynamic]
 //              [--draft-model F | --self-draft-layers K | --eagle DIR] [--draft-tokens N|auto] [--draft-alone]
-//              [--draft-nodes N [--draft-topk K] [--draft-expand E]]
+//              [--draft-nodes N [--draft-topk K] [--draft-expand E] [--draft-min-prob P]]
 //              [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
 //              [--mode vanilla|medusa|both] [--weights f32|bf16|int8|q4] [--classifier-weights F] [--draft-weights F] [--draft-threads N] [--head-weights int8|q8_0|q4|bf16|f32]
@@ -71,6 +71,8 @@ int run(run_args a) {
   if (a.draft_nodes < 0 || a.draft_nodes > 256)
     throw usage_error("--draft-nodes must be in [0, 256], got " + std::to_string(a.draft_nodes));
   if (a.draft_topk < 1 || a.draft_topk > 64) throw usage_error("--draft-topk must be in [1, 64], got " + std::to_string(a.draft_topk));
+  if (!(a.draft_min_prob >= 0.0 && a.draft_min_prob < 1.0))
+    throw usage_error("--draft-min-prob must be in [0, 1), got " + std::to_string(a.draft_min_prob));
   if (a.draft_expand && (*a.draft_expand < 1 || *a.draft_expand > 64))
     throw usage_error("--draft-expand must be in [1, 64], got " + std::to_string(*a.draft_expand));
   if (a.draft_nodes > 0) {
@@ -206,6 +208,8 @@ int main(int argc, char** argv) {
                  "with --draft-alone: the drafter grows each step's tree best first by its own joint probability, this many "
                  "nodes, --draft-tokens deep (one drafter pass a depth); 0 = a chain (default)");
   app.add_option("--draft-topk", a.draft_topk, "--draft-nodes: children scored under a node (default 4)");
+  app.add_option("--draft-min-prob", a.draft_min_prob,
+                 "--draft-nodes: leave out nodes whose joint probability under the drafter is below this (default 0)");
   app.add_option("--draft-expand", a.draft_expand, "--draft-nodes: nodes expanded a depth, the most probable (default: --draft-topk)");
   app.add_flag("--draft-alone", a.draft_alone, "the step's tree is the draft's chain (and --lookup) only, without the heads' tree");
   app.add_flag("--dynamic", a.dynamic, "per-step dynamic trees: each step's most probable paths under the heads, as many nodes as the tree");

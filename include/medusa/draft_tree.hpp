@@ -8,7 +8,8 @@
 //! path's joint probability under the drafter (the product of its softmax along the path). One
 //! drafter pass per depth gives the logits of the nodes to expand next. The step's tree is the
 //! `max_nodes` most probable nodes drafted (a set closed under parent: a child is never more
-//! probable than its parent). Growth stops early once no node still to expand can enter that set.
+//! probable than its parent), leaving out nodes less probable than `min_prob`. Growth stops early
+//! once no node still to expand can enter that set.
 //!
 //! The drafter is a `tree_draft_source`: `draft_model_branch` (draft_model.hpp) and
 //! `feature_draft_branch` (feature_draft.hpp) are. Each pass runs the tree of the nodes to expand
@@ -43,6 +44,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -57,6 +59,10 @@ struct draft_tree_options {
   int max_depth = 5;   //!< deepest drafted node (≥ 1)
   int topk = 4;        //!< children scored under each expanded node, in [1, max_tree_topk − 1)
   int expand = 4;      //!< nodes expanded per depth: the depth's most probable (≥ 1)
+  //! Nodes whose joint probability under the drafter is below this are not drafted (in [0, 1);
+  //! 0: none left out): where the drafter is unsure, the tree (or chain) is smaller or empty, and
+  //! the step spends fewer rows on drafts the target is unlikely to accept.
+  double min_prob = 0.0;
 
   //! Throws `invalid_input` naming the first option out of range.
   void validate() const {
@@ -66,6 +72,7 @@ struct draft_tree_options {
     if (topk < 1 || topk >= max_tree_topk - 1)
       bad("topk must be in [1, " + std::to_string(max_tree_topk - 1) + "), got " + std::to_string(topk));
     if (expand < 1) bad("expand must be >= 1, got " + std::to_string(expand));
+    if (!(min_prob >= 0.0 && min_prob < 1.0)) bad("min_prob must be in [0, 1), got " + std::to_string(min_prob));
   }
 };
 
@@ -121,6 +128,7 @@ class tree_drafter {
       : source_(std::move(source)), opt_(opt), lookup_(lookup) {
     opt_.validate();
     if (lookup_) lookup_->validate();
+    floor_ = opt_.min_prob > 0.0 ? std::log(opt_.min_prob) : -std::numeric_limits<double>::infinity();
     const int lookup_len = lookup_ ? lookup_->max_tokens : 0;
     max_nodes_ = 1 + opt_.max_nodes + lookup_len;
     max_depth_ = std::max(opt_.max_depth, lookup_len);
@@ -265,6 +273,9 @@ class tree_drafter {
         if (nodes_[static_cast<std::size_t>(u)].depth == depth) frontier_.push_back(u);
       std::sort(frontier_.begin(), frontier_.end(), [&](int a, int b) { return before(a, b); });
       if (frontier_.size() > static_cast<std::size_t>(opt_.expand)) frontier_.resize(static_cast<std::size_t>(opt_.expand));
+      // Below min_prob a node is not drafted, nor any descendant (never more probable).
+      std::erase_if(frontier_, [&](int u) { return nodes_[static_cast<std::size_t>(u)].logp < floor_; });
+      if (frontier_.empty()) break;
       // Stop once `max_nodes` drafted nodes beat the best of them: no descendant can enter the tree.
       int better = 0;
       for (int u = 1; u < static_cast<int>(nodes_.size()); ++u) better += before(u, frontier_.front()) ? 1 : 0;
@@ -327,7 +338,8 @@ class tree_drafter {
   // The step's tree: the `max_nodes` most probable drafted nodes, as paths.
   std::vector<std::vector<int>> chosen_paths() {
     chosen_.clear();
-    for (int u = 1; u < static_cast<int>(nodes_.size()); ++u) chosen_.push_back(u);
+    for (int u = 1; u < static_cast<int>(nodes_.size()); ++u)
+      if (nodes_[static_cast<std::size_t>(u)].logp >= floor_) chosen_.push_back(u);
     const auto keep = std::min(chosen_.size(), static_cast<std::size_t>(opt_.max_nodes));
     std::partial_sort(chosen_.begin(), chosen_.begin() + static_cast<std::ptrdiff_t>(keep), chosen_.end(),
                       [&](int a, int b) { return before(a, b); });
@@ -387,6 +399,7 @@ class tree_drafter {
   draft_tree_options opt_;
   std::optional<ngram_lookup> lookup_;
   int max_nodes_ = 1, max_depth_ = 1;
+  double floor_ = 0.0;  // log(min_prob), −∞ for 0
   int chain_end_ = -1;  // the node whose row ends the chain of rows in the drafter's cache; -1: none
   std::vector<node> nodes_;
   std::vector<int> frontier_, chosen_, pass_ids_, path_;

@@ -198,18 +198,22 @@ TEST_CASE("a draft tree holds the most probable nodes of the drafter's expansion
   expand_all(src, {}, 0.0, topk, depth, all);  // 3 + 9 + 27 nodes
   std::stable_sort(all.begin(), all.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
   const std::vector<std::int32_t> history = {4, 2, 7};
+  for (const double min_prob : {0.0, 0.03, 0.12})
   for (const int n : {1, 2, 5, 12, 39}) {
     CAPTURE(n);
-    medusa::tree_drafter<scripted_source> drafts(src, {.max_nodes = n, .max_depth = depth, .topk = topk, .expand = 9});
+    CAPTURE(min_prob);
+    medusa::tree_drafter<scripted_source> drafts(
+        src, {.max_nodes = n, .max_depth = depth, .topk = topk, .expand = 9, .min_prob = min_prob});
     CHECK(drafts.max_nodes() == n + 1);
     CHECK(drafts.max_depth() == depth);
     std::vector<std::int32_t> node_tokens(static_cast<std::size_t>(drafts.max_nodes()));
+    std::set<token_path> want;  // the n most probable, none below min_prob
+    for (int i = 0; i < n; ++i)
+      if (std::exp(all[static_cast<std::size_t>(i)].first) >= min_prob) want.insert(all[static_cast<std::size_t>(i)].second);
     const auto t = drafts.draft(0, history, {}, scripted_source::vocab, node_tokens);
     REQUIRE(t);
-    CHECK(t->num_nodes() == n + 1);
+    CHECK(t->num_nodes() == static_cast<int>(want.size()) + 1);
     CHECK(node_tokens[0] == history.back());
-    std::set<token_path> want;
-    for (int i = 0; i < n; ++i) want.insert(all[static_cast<std::size_t>(i)].second);
     CHECK(paths_of(*t, node_tokens) == want);
     // Siblings are ranked by the drafter: rank r is its r-th most probable token.
     for (int u = 1; u < t->num_nodes(); ++u)
@@ -256,6 +260,8 @@ TEST_CASE("a draft tree's options, its drafter's vocabulary and rows are checked
   bad({.topk = 0}, "topk");
   bad({.topk = medusa::max_tree_topk}, "topk");
   bad({.expand = 0}, "expand");
+  bad({.min_prob = -0.1}, "min_prob");
+  bad({.min_prob = 1.0}, "min_prob");
   CHECK_THROWS_AS(medusa::tree_drafter<scripted_source>(src, {}, medusa::ngram_lookup{.max_tokens = 0}), medusa::invalid_input);
 
   medusa::tree_drafter<scripted_source> drafts(src, {.max_nodes = 8, .max_depth = 3});

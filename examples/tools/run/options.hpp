@@ -36,6 +36,7 @@ struct run_args {
   int draft_tokens = 4;                                  // the draft's chain length (a tree's depth)
   int draft_nodes = 0;                                   // > 0: the drafter grows trees of this many nodes
   int draft_topk = 4;                                    // a draft tree's children a node
+  double draft_min_prob = 0.0;                           // a draft tree's nodes below this joint probability: left out
   std::optional<int> draft_expand;                       // a draft tree's nodes expanded a depth (unset: draft_topk)
   [[nodiscard]] int draft_expanded() const { return draft_expand.value_or(draft_topk); }
   bool draft_tokens_auto = false;                        // --draft-tokens auto: chosen from calibration and costs

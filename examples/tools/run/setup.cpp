@@ -79,7 +79,8 @@ std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t
     if (a.lookup > 0) lookup = medusa::ngram_lookup{.min_ngram = a.lookup_min, .max_ngram = a.lookup_max, .max_tokens = a.lookup};
     return run_drafter(medusa::tree_drafter<run_tree_source>(
         run_tree_source{std::move(draft)},
-        {.max_nodes = a.draft_nodes, .max_depth = a.draft_tokens, .topk = a.draft_topk, .expand = a.draft_expanded()}, lookup));
+        {.max_nodes = a.draft_nodes, .max_depth = a.draft_tokens, .topk = a.draft_topk, .expand = a.draft_expanded(),
+         .min_prob = a.draft_min_prob}, lookup));
   }
   medusa::basic_step_drafter_options<run_branch> o;
   if (a.dynamic) o.dynamic_nodes = t.num_nodes();
@@ -139,7 +140,7 @@ nlohmann::json describe_drafts(const run_args& a) {
     j["eagle"] = a.eagle.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.eagle);
     j["draft_tokens"] = a.draft_tokens;
     j["draft_alone"] = a.draft_alone;
-    if (a.draft_nodes > 0) j["draft_tree"] = {{"nodes", a.draft_nodes}, {"depth", a.draft_tokens}, {"topk", a.draft_topk}, {"expand", a.draft_expanded()}};
+    if (a.draft_nodes > 0) j["draft_tree"] = {{"nodes", a.draft_nodes}, {"depth", a.draft_tokens}, {"topk", a.draft_topk}, {"expand", a.draft_expanded()}, {"min_prob", a.draft_min_prob}};
   }
   return j;
 }
