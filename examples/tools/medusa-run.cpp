@@ -5,7 +5,7 @@
 //   medusa-run --model PATH [--tokenizer PATH] [--heads PATH|random:K[:SEED]]
 //              [--tree auto|PRESET|TEXT|FILE] [--max-nodes N] [--calibration F] [--step-cost F] [--step-cost-out F]
 //              [--cost-cache DIR|none] [--calibrate-out F] [--lookup N] [--lookup-ngram MIN:MAX] [--dynamic]
-//              [--draft-model F | --self-draft-layers K | --eagle DIR] [--draft-tokens N|auto] [--draft-alone]
+//              [--draft-model F | --self-draft-layers K | --exit DIR | --eagle DIR] [--draft-tokens N|auto] [--draft-alone]
 //              [--draft-nodes N [--draft-topk K] [--draft-expand E] [--draft-min-prob P]]
 //              [--policy greedy|typical|rejection|sampled] [--temperature T]
 //              [--top-p P] [--seed S] [--prompt TEXT | --prompt-file F] [--max-new-tokens N]
@@ -54,17 +54,17 @@ int run(run_args a) {
   if ((a.lookup > 0 || a.dynamic) && a.policy == medusa::draft_sampling_policy::name)
     throw usage_error("--policy sampled draws its own drafts: it takes no --lookup or --dynamic");
   const bool drafted = a.drafted();
-  if (!a.draft_model.empty() + (a.self_draft_layers != 0) + !a.eagle.empty() > 1)
-    throw usage_error("give one of --draft-model, --self-draft-layers and --eagle");
+  if (!a.draft_model.empty() + (a.self_draft_layers != 0 || !a.exit.empty()) + !a.eagle.empty() > 1)
+    throw usage_error("give one of --draft-model, --self-draft-layers (or --exit) and --eagle");
   if (a.self_draft_layers < 0) throw usage_error("--self-draft-layers must be >= 1, got " + std::to_string(a.self_draft_layers));
   if (a.draft_tokens < 1 || a.draft_tokens > 64)
     throw usage_error("--draft-tokens must be in [1, 64], got " + std::to_string(a.draft_tokens));
-  if (a.draft_alone && !drafted) throw usage_error("--draft-alone needs --draft-model, --self-draft-layers or --eagle");
-  if (a.draft_tokens_auto && ((a.draft_model.empty() && a.eagle.empty()) || batched))
-    throw usage_error("--draft-tokens auto needs --draft-model or --eagle (with its calibration.json) and one request (not "
+  if (a.draft_alone && !drafted) throw usage_error("--draft-alone needs --draft-model, --self-draft-layers, --exit or --eagle");
+  if (a.draft_tokens_auto && ((a.draft_model.empty() && a.eagle.empty() && a.exit.empty()) || batched))
+    throw usage_error("--draft-tokens auto needs --draft-model, --eagle or --exit (with its calibration.json) and one request (not "
                       "--prompts-file)");
   if (a.draft_tokens_auto) {  // the longest chain it may choose sizes the engines
-    a.draft_chain = medusa_run::draft_chain_calibration(a.eagle.empty() ? a.draft_model : a.eagle);
+    a.draft_chain = medusa_run::draft_chain_calibration(!a.eagle.empty() ? a.eagle : !a.exit.empty() ? a.exit : a.draft_model);
     a.draft_tokens = static_cast<int>(a.draft_chain.size());
   }
   if (a.draft_alone && a.dynamic) throw usage_error("--draft-alone drafts no heads' tree: it takes no --dynamic");
@@ -193,6 +193,10 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingDirectory);
   app.add_option("--self-draft-layers", a.self_draft_layers,
                  "self-speculation: the target's first K layers (then its final norm and classifier) as the draft");
+  app.add_option("--exit", a.exit,
+                 "self-speculation with a trained exit (the directory medusa-train --recipe exit writes: exit.bin): the target's "
+                 "first layers, as many as it was trained after, then its final norm, the exit projection and its classifier")
+      ->check(CLI::ExistingDirectory);
   app.add_option_function<std::string>(
          "--draft-tokens",
          [&a](const std::string& v) {

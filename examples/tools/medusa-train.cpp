@@ -109,8 +109,9 @@ int main(int argc, char** argv) {
   app.add_option("--recipe", recipe,
                  "medusa1: heads on the frozen model; medusa2: then heads and a LoRA-adapted backbone jointly; draft: a small draft "
                  "model distilled from the model (OUT/draft/model.bin, for medusa-run --draft-model); eagle: an EAGLE-style feature "
-                 "drafter, one block on the model's hidden states (OUT/eagle/model.bin + fc.bin)")
-      ->check(CLI::IsMember({"medusa1", "medusa2", "draft", "eagle"}))
+                 "drafter, one block on the model's hidden states (OUT/eagle/model.bin + fc.bin); exit: an exit projection "
+                 "for self-speculation with the model's first layers (OUT/exit/exit.bin, for medusa-run --exit)")
+      ->check(CLI::IsMember({"medusa1", "medusa2", "draft", "eagle", "exit"}))
       ->capture_default_str();
   app.add_option("--init-heads", o.init_heads, "start from these trained heads (medusa2: instead of the heads-only stage)");
   app.add_option("--lora-rank", o.lora.rank, "medusa2: LoRA rank r (1..d)")->capture_default_str();
@@ -121,8 +122,8 @@ int main(int argc, char** argv) {
   app.add_option("--heads-coefficient", o.heads_coefficient, "medusa2: weight of the heads' loss next to the self-distillation KL")
       ->capture_default_str();
   app.add_option("--joint-epochs", o.joint_epochs, "medusa2: passes of the joint stage over the training sequences")->capture_default_str();
-  app.add_option("--batch-sequences", o.batch_sequences, "medusa2, draft, eagle: sequences per optimiser step")->capture_default_str();
-  app.add_option("--teacher-topk", o.teacher_topk, "medusa2, draft, eagle: logits of the original model kept per position for the KL")
+  app.add_option("--batch-sequences", o.batch_sequences, "medusa2, draft, eagle, exit: sequences per optimiser step")->capture_default_str();
+  app.add_option("--teacher-topk", o.teacher_topk, "medusa2, draft, eagle, exit: logits of the original model kept per position for the KL")
       ->capture_default_str();
   app.add_option("--draft-layers", o.draft_layers, "draft: blocks of the draft model")->capture_default_str();
   app.add_option("--draft-dim", o.draft_dim, "draft: width of the draft model")->capture_default_str();
@@ -136,6 +137,9 @@ int main(int argc, char** argv) {
   app.add_option("--eagle-reg", o.eagle_reg, "eagle: weight of the feature regression (SmoothL1) next to the KL")->capture_default_str();
   app.add_option("--eagle-noise", o.eagle_noise, "eagle: input feature noise U(-a, a) while training, a = this x the features' RMS")
       ->capture_default_str();
+  app.add_option("--exit-layers", o.exit_layers, "exit: the draft's layers, the model's first (0: half of them)")->capture_default_str();
+  app.add_option("--exit-lr", o.exit_lr, "exit: peak learning rate")->capture_default_str();
+  app.add_option("--exit-epochs", o.exit_epochs, "exit: passes over the training sequences")->capture_default_str();
   bool quiet = false;
   app.add_flag("--no-progress", quiet, "no progress lines (errors and the summary only)");
 
@@ -146,6 +150,7 @@ int main(int argc, char** argv) {
     o.what = recipe == "medusa2" ? medusa_train::recipe::medusa2
              : recipe == "draft" ? medusa_train::recipe::draft
              : recipe == "eagle" ? medusa_train::recipe::eagle
+             : recipe == "exit"  ? medusa_train::recipe::exit
                                  : medusa_train::recipe::medusa1;
     status_line st;
     medusa_train::run_events ev;
@@ -170,7 +175,7 @@ int main(int argc, char** argv) {
                   p.step == p.total_steps);
       };
       ev.on_draft = [&](const medusa_train::draft_progress& p) {
-        st.update(fmt::format("draft step {:>6}/{}  KL {:.4f}  agreement {:4.1f}%  lr {:.2e}  {:5.0f} pos/s  elapsed {}  ETA {}", p.step,
+        st.update(fmt::format("{} step {:>6}/{}  KL {:.4f}  agreement {:4.1f}%  lr {:.2e}  {:5.0f} pos/s  elapsed {}  ETA {}", recipe, p.step,
                               p.total_steps, p.kl, 100 * p.agreement, p.lr, p.positions_per_second, duration(p.elapsed), duration(p.eta)),
                   p.step == p.total_steps);
       };
@@ -191,6 +196,20 @@ int main(int argc, char** argv) {
       for (std::size_t k = 0; k < q.chain_tokens.size(); ++k)
         st.line(fmt::format("{:>5}  {:7.1f}%  {:11.3f}  ({:.3f})", k + 1, 100 * q.acceptance[k], q.chain_tokens[k], q.chain_tokens_teacher_forced[k]));
       st.line(fmt::format("wrote {}, fc.bin and calibration.json ({:.1f} s total)", r.eagle_file.string(), r.total_seconds));
+      return medusa_tools::exit_ok;
+    }
+    if (o.what == medusa_train::recipe::exit) {
+      const auto& q = r.exit_eval;
+      const auto& b = r.exit_base;
+      st.line(fmt::format("exit: {} steps ({} positions seen) in {:.1f} s{}", r.exit_fit.steps, r.exit_fit.positions_seen, r.exit_fit.seconds,
+                          r.exit_fit.budget_limited ? " (shortened by the budget)" : ""));
+      st.line(fmt::format("held-out: {} positions, agreement with the model's own argmax {:.1f}% (without the exit {:.1f}%)", q.positions,
+                          100 * q.agreement, 100 * b.agreement));
+      st.line("chain  accepted  tokens/step  (without the exit)");
+      for (std::size_t k = 0; k < q.chain_tokens.size(); ++k)
+        st.line(fmt::format("{:>5}  {:7.1f}%  {:11.3f}  ({:.3f})", k + 1, 100 * q.acceptance[k], q.chain_tokens[k],
+                            k < b.chain_tokens.size() ? b.chain_tokens[k] : 0.0));
+      st.line(fmt::format("wrote {} and calibration.json ({:.1f} s total)", r.exit_file.string(), r.total_seconds));
       return medusa_tools::exit_ok;
     }
     if (o.what == medusa_train::recipe::draft) {

@@ -62,7 +62,7 @@ PY
   speculative_alone) want=2; pat='--policy speculative samples a drafter.s chains'
                      args=(--model "$pycode" --heads random:4 --policy speculative --self-draft-layers 2 --prompt x) ;;
   draft_layers)      want=2; pat='below the model.s 8 layers'; args=(--model "$pycode" --heads random:4 --self-draft-layers 8 --prompt x) ;;
-  draft_both)        want=2; pat='give one of --draft-model, --self-draft-layers and --eagle'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-model "$pycode") ;;
+  draft_both)        want=2; pat='give one of --draft-model, --self-draft-layers \(or --exit\) and --eagle'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-model "$pycode") ;;
   draft_tokens)      want=2; pat='--draft-tokens must be in'; args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-tokens 0) ;;
   draft_alone)       want=2; pat='--draft-alone needs';   args=(--model "$pycode" --heads random:4 --draft-alone) ;;
   draft_nodes_alone) want=2; pat='--draft-nodes grows a drafter.s own tree: it needs'

@@ -213,6 +213,27 @@ model model::first_layers(int layers) const {
   return m;
 }
 
+model model::with_classifier(std::vector<float> classifier) const {
+  const std::size_t want = static_cast<std::size_t>(config_.vocab_size) * static_cast<std::size_t>(config_.dim);
+  if (classifier.size() != want)
+    throw load_error(load_errc::size_mismatch,
+                     "with_classifier: " + std::to_string(classifier.size()) + " values, a classifier of " +
+                         std::to_string(config_.vocab_size) + " x " + std::to_string(config_.dim) + " needs " + std::to_string(want),
+                     "(model)");
+  // The new model keeps the old storage alive beside its own classifier.
+  struct both {
+    std::shared_ptr<const void> weights;
+    std::vector<float> classifier;
+  };
+  auto owned = std::make_shared<both>(both{storage_, std::move(classifier)});
+  model m = *this;
+  m.classifier_ = owned->classifier.data();
+  m.storage_ = std::move(owned);
+  m.config_.shared_classifier = false;
+  m.classifier_stored_ = stored_type::f32;
+  return m;
+}
+
 model model::random(const model_config& config, std::uint64_t seed, float scale) {
   config.validate("model::random");
   model m;

@@ -35,7 +35,7 @@ inline std::vector<double> draft_chain_calibration(const std::string& draft_mode
   const fs::path p(draft_model);
   const fs::path file = (fs::is_directory(p, ec) ? p : p.parent_path()) / "calibration.json";
   const std::string need =
-      "--draft-tokens auto needs the calibration.json that medusa-train --recipe draft or eagle writes beside the drafter";
+      "--draft-tokens auto needs the calibration.json that medusa-train --recipe draft, eagle or exit writes beside the drafter";
   std::ifstream in(file);
   if (!in) throw medusa_tools::usage_error(need + " (" + file.string() + " is missing)");
   nlohmann::json j;
@@ -46,7 +46,7 @@ inline std::vector<double> draft_chain_calibration(const std::string& draft_mode
   }
   const auto chain = j.find("chain_tokens_per_step");
   const std::string recipe = j.value("recipe", std::string());
-  if ((recipe != "draft" && recipe != "eagle") || chain == j.end() || !chain->is_array() || chain->empty())
+  if ((recipe != "draft" && recipe != "eagle" && recipe != "exit") || chain == j.end() || !chain->is_array() || chain->empty())
     throw medusa_tools::usage_error(need + " (" + file.string() + " has no \"chain_tokens_per_step\" of a draft)");
   std::vector<double> out;
   for (const auto& v : *chain) {

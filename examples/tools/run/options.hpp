@@ -33,6 +33,7 @@ struct run_args {
   std::string draft_model;                               // a draft model proposing chains (--draft-model)
   int self_draft_layers = 0;                             // the target's first k layers as the draft (0 = off)
   std::string eagle;                                     // a feature drafter's directory (--eagle)
+  std::string exit;                                      // a trained exit's directory: self-speculation (--exit)
   int draft_tokens = 4;                                  // the draft's chain length (a tree's depth)
   int draft_nodes = 0;                                   // > 0: the drafter grows trees of this many nodes
   int draft_topk = 4;                                    // a draft tree's children a node
@@ -43,7 +44,7 @@ struct run_args {
   std::vector<double> draft_chain;                       // --draft-tokens auto: the draft's calibration (read once)
   bool draft_alone = false;                              // the step's tree is the draft's chain (and lookup) only
   // Whether a drafter with chains was asked for (--draft-model, --self-draft-layers or --eagle).
-  [[nodiscard]] bool drafted() const { return !draft_model.empty() || self_draft_layers != 0 || !eagle.empty(); }
+  [[nodiscard]] bool drafted() const { return !draft_model.empty() || self_draft_layers != 0 || !eagle.empty() || !exit.empty(); }
   // Nodes the per-step drafts add to a step's tree beyond the heads': a draft tree's and the
   // lookup's, or the longer of the lookup's and the drafter's chain.
   [[nodiscard]] int draft_rows() const {

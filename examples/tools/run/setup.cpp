@@ -96,6 +96,13 @@ std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t
 }
 
 std::optional<medusa_llama::model> load_draft(const run_args& a, const medusa_llama::loaded_model& lm) {
+  if (!a.exit.empty()) {  // the first layers with a trained exit: as many layers as it was trained for
+    const auto e = medusa_llama::load_exit_projection(std::filesystem::path(a.exit) / medusa_llama::exit_projection_file);
+    if (a.self_draft_layers > 0 && a.self_draft_layers != e.layers)
+      throw usage_error("--exit " + a.exit + " was trained after " + std::to_string(e.layers) + " layers, not the --self-draft-layers " +
+                        std::to_string(a.self_draft_layers) + " given");
+    return medusa_llama::self_draft(lm.weights, e);
+  }
   if (a.self_draft_layers > 0) {
     const int layers = lm.weights.config().n_layers;
     if (a.self_draft_layers >= layers)
@@ -137,6 +144,7 @@ nlohmann::json describe_drafts(const run_args& a) {
   if (a.drafted()) {
     j["draft_model"] = a.draft_model.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.draft_model);
     j["self_draft_layers"] = a.self_draft_layers;
+    j["exit"] = a.exit.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.exit);
     j["eagle"] = a.eagle.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.eagle);
     j["draft_tokens"] = a.draft_tokens;
     j["draft_alone"] = a.draft_alone;

@@ -13,6 +13,7 @@
 #include <medusa/medusa.hpp>
 
 #include <medusa_llama/cpu.hpp>
+#include <medusa_llama/exit_projection.hpp>
 #include <medusa_llama/load.hpp>
 #include <medusa_llama/model.hpp>
 #include <medusa_llama/packed_heads.hpp>

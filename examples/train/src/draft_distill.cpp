@@ -140,6 +140,10 @@ draft_quality measure_draft(const dense_model& draft, std::span<const backbone_s
     for (std::size_t r = 0; r < rows; ++r)
       hits[e][r] = medusa::argmax(std::span<const float>(z[tid].data() + r * V, V)) == teacher.row(eval[e], sq.row0 + r).ids[0];
   });
+  return draft_quality_of(hits, max_depth);
+}
+
+draft_quality draft_quality_of(const std::vector<std::vector<char>>& hits, std::size_t max_depth) {
   draft_quality q;
   std::vector<std::uint64_t> at_least(max_depth + 1, 0);  // positions whose run of hits is ≥ k
   std::uint64_t agree = 0;

@@ -10,6 +10,7 @@
 #include <medusa/tree.hpp>
 
 #include <medusa_llama/engine.hpp>
+#include <medusa_llama/exit_projection.hpp>
 #include <medusa_llama/packed_heads.hpp>
 #include <medusa_llama/model.hpp>
 #include <medusa_llama/tokenizer.hpp>
@@ -434,6 +435,78 @@ void train_eagle(const run_options& o, const medusa_llama::model& m, const disti
   write_text(dir / "calibration.json", j);  // the drafter's directory is complete on its own
 }
 
+// --recipe exit: the first layers' final-normed states once, then the projection on them; scored
+// (and the plain first layers, for comparison) on the held-out continuations; written as
+// OUT/exit/exit.bin and OUT/exit/calibration.json (also OUT/calibration.json).
+void train_exit(const run_options& o, const medusa_llama::model& m, const distill_cache& data, const prompt_set& prompts,
+                const medusa_llama::tokenizer& tok, const std::filesystem::path& cache_dir, const std::filesystem::path& work, int threads,
+                std::optional<clock_type::time_point> deadline, run_report& rep, const run_events& ev,
+                const std::function<void(const std::string&)>& log) {
+  const auto seqs = cache_sequences(data, prompts, tok, o.seed, o.prompt_min, o.prompt_max);
+  const auto teacher = teacher_for(m, seqs, rep, cache_dir, o.teacher_topk, threads, log);
+  const int k = o.exit_layers > 0 ? o.exit_layers : std::max(1, m.config().n_layers / 2);
+  const auto t_states = clock_type::now();
+  const lora_model first(m.first_layers(k), {.rank = 1, .alpha = 1, .dropout = 0}, 0);
+  const auto states = feature_table::compute(first, seqs, threads);
+  log("states: the first " + std::to_string(k) + " layers' final-normed hidden states of " + std::to_string(seqs.size()) + " sequences in " +
+      fmt("%.1f s", seconds_since(t_states)));
+  std::vector<float> w = identity_exit(m.config().dim);
+  rep.exit_base = measure_exit(w, m, states, seqs, teacher, threads);
+  draft_fit_options fo;
+  fo.lr = o.exit_lr;
+  fo.epochs = o.exit_epochs;
+  fo.batch_sequences = o.batch_sequences;
+  fo.opt = o.opt;
+  fo.seed = o.seed;
+  fo.threads = threads;
+  fo.deadline = deadline;
+  fo.reserve_seconds = 5.0;
+  fo.on_progress = ev.on_draft;
+  fo.progress_interval = ev.progress_interval;
+  log("exit projection after " + std::to_string(k) + " of " + std::to_string(m.config().n_layers) + " layers: " + std::to_string(w.size()) +
+      " parameters, lr " + fmt("%g", o.exit_lr));
+  rep.exit_fit = fit_exit(w, m, states, seqs, teacher, fo);
+  log("exit: " + std::to_string(rep.exit_fit.steps) + " steps in " + fmt("%.1f s", rep.exit_fit.seconds) + fmt(", KL %.4f", rep.exit_fit.final_kl) +
+      fmt(", agreement %.1f%%", 100 * rep.exit_fit.final_agreement) + (rep.exit_fit.budget_limited ? " (shortened by the budget)" : ""));
+  const auto t_eval = clock_type::now();
+  rep.exit_eval = measure_exit(w, m, states, seqs, teacher, threads);
+  rep.eval_seconds = seconds_since(t_eval);
+  const auto& q = rep.exit_eval;
+  const auto& b = rep.exit_base;
+  std::string chain, base;
+  for (std::size_t i = 0; i < q.chain_tokens.size(); ++i) chain += fmt(i ? " / %.2f" : "%.2f", q.chain_tokens[i]);
+  for (std::size_t i = 0; i < b.chain_tokens.size(); ++i) base += fmt(i ? " / %.2f" : "%.2f", b.chain_tokens[i]);
+  log("exit, held out: agreement " + fmt("%.1f%%", 100 * q.agreement) + " (the plain first layers: " + fmt("%.1f%%", 100 * b.agreement) +
+      ") on " + std::to_string(q.positions) + " positions; tokens per step of greedy chains of 1…" + std::to_string(q.chain_tokens.size()) +
+      ": " + chain + " (plain: " + base + ")");
+  std::error_code ec;
+  const auto dir = work / "exit";
+  std::filesystem::create_directories(dir, ec);
+  medusa_llama::save_exit_projection(dir / medusa_llama::exit_projection_file, {k, m.config().dim, w});
+  rep.exit_file = o.out / "exit" / medusa_llama::exit_projection_file;
+
+  std::string j = "{\n";
+  j += "  \"recipe\": \"exit\",\n";
+  j += "  \"model\": " + json_str(o.model.string()) + ",\n";
+  j += "  \"exit\": {\"layers\": " + std::to_string(k) + ", \"dim\": " + std::to_string(m.config().dim) + ", \"parameters\": " +
+       std::to_string(w.size()) + "},\n";
+  j += "  \"split\": \"eval\",\n";
+  j += "  \"positions\": " + std::to_string(q.positions) + ",\n";
+  j += "  \"agreement\": " + fmt("%.5f", q.agreement) + ",\n";
+  j += "  \"acceptance_by_depth\": " + json_list(q.acceptance) + ",\n";
+  j += "  \"chain_tokens_per_step\": " + json_list(q.chain_tokens) + ",\n";
+  j += "  \"without_exit\": {\"agreement\": " + fmt("%.5f", b.agreement) + ", \"chain_tokens_per_step\": " + json_list(b.chain_tokens) + "},\n";
+  j += "  \"steps\": " + std::to_string(rep.exit_fit.steps) + ",\n";
+  j += "  \"epochs\": " + fmt("%g", o.exit_epochs) + ",\n";
+  j += "  \"lr\": " + fmt("%g", o.exit_lr) + ",\n";
+  j += "  \"final_kl\": " + fmt("%.5f", rep.exit_fit.final_kl) + ",\n";
+  j += "  \"seed\": " + std::to_string(o.seed) + ",\n";
+  j += "  \"cache_key\": \"" + rep.key.hex() + "\",\n";
+  j += "  \"train_seconds\": " + fmt("%.1f", rep.exit_fit.seconds) + "\n}\n";
+  write_text(work / "calibration.json", j);
+  write_text(dir / "calibration.json", j);  // the exit's directory is complete on its own
+}
+
 }  // namespace
 
 std::filesystem::path resolve_tokenizer(const run_options& o) {
@@ -516,6 +589,16 @@ run_report run_training(const run_options& o, const run_events& ev) {
     if (!(o.eagle_noise >= 0) || !std::isfinite(o.eagle_noise))
       throw medusa::invalid_input("train: --eagle-noise must be a finite number >= 0, got " + fmt("%g", o.eagle_noise));
     if (!o.init_heads.empty()) throw medusa::invalid_input("train: --recipe eagle trains no heads; --init-heads does not apply");
+  }
+  if (o.what == recipe::exit) {
+    if (o.exit_layers < 0 || o.exit_layers >= cfg.n_layers)
+      throw medusa::invalid_input("train: --exit-layers must be in [1, " + std::to_string(cfg.n_layers - 1) + "] (0: half the model's " +
+                                  std::to_string(cfg.n_layers) + "), got " + std::to_string(o.exit_layers));
+    if (cfg.n_layers < 2) throw medusa::invalid_input("train: --recipe exit needs a model of 2 layers or more");
+    if (!(o.exit_lr > 0) || !std::isfinite(o.exit_lr) || !(o.exit_epochs > 0) || !std::isfinite(o.exit_epochs) || o.batch_sequences == 0 ||
+        o.teacher_topk == 0)
+      throw medusa::invalid_input("train: --exit-lr, --exit-epochs, --batch-sequences and --teacher-topk must be positive");
+    if (!o.init_heads.empty()) throw medusa::invalid_input("train: --recipe exit trains no heads; --init-heads does not apply");
   }
   std::optional<medusa::head_weights> init_heads;
   if (!o.init_heads.empty()) {
@@ -643,6 +726,15 @@ run_report run_training(const run_options& o, const run_events& ev) {
   // ---- an EAGLE-style feature drafter instead of heads ------------------------------------------
   if (o.what == recipe::eagle) {
     train_eagle(o, m, data, prompts, *tok, tok_path, cache_dir, work, threads, deadline, rep, ev, log);
+    write_heldout_prompts(work, prompts, *tok, o);
+    rep.total_seconds = seconds_since(t_start);
+    outdir.commit(cache_dir);
+    return rep;
+  }
+
+  // ---- an exit projection for self-speculation instead of heads -------------------------------------
+  if (o.what == recipe::exit) {
+    train_exit(o, m, data, prompts, *tok, cache_dir, work, threads, deadline, rep, ev, log);
     write_heldout_prompts(work, prompts, *tok, o);
     rep.total_seconds = seconds_since(t_start);
     outdir.commit(cache_dir);

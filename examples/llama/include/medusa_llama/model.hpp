@@ -143,6 +143,11 @@ class model {
   //! classifier): the draft of self-speculative decoding. Shares the weights' storage.
   //! Throws `load_error` (`bad_header`) unless `1 <= layers <= n_layers`.
   [[nodiscard]] model first_layers(int layers) const;
+  //! The same weights with another classifier (`[vocab][dim]`, owned by the new model; the token
+  //! embedding stays, so the classifier is no longer shared), e.g. a self-speculative draft's
+  //! classifier with a trained exit projection folded in (exit_projection.hpp). Shares the other
+  //! weights' storage. Throws `load_error` (`size_mismatch`) unless it holds vocab × dim values.
+  [[nodiscard]] model with_classifier(std::vector<float> classifier) const;
 
   //! The configuration.
   [[nodiscard]] const model_config& config() const noexcept { return config_; }

@@ -88,6 +88,11 @@ struct draft_quality {
   std::vector<double> chain_tokens;
 };
 
+//! The quality of a draft from its hits: `hits[s][r]` whether its argmax is the target's at
+//! continuation position r of held-out sequence s. A chain that starts at a position accepts the
+//! hits that follow it without a miss; chains of up to `max_depth` drafts.
+[[nodiscard]] draft_quality draft_quality_of(const std::vector<std::vector<char>>& hits, std::size_t max_depth);
+
 //! Scores `draft` on the `split::eval` sequences: at every position of a continuation whether the
 //! draft's argmax is the target's (`teacher`'s best token there, computed on the same sequences),
 //! and from the runs of consecutive hits, the acceptance of greedy chains up to `max_depth`

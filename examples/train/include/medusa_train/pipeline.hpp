@@ -18,6 +18,7 @@
 #include <medusa_train/distill_cache.hpp>
 #include <medusa_train/draft_distill.hpp>
 #include <medusa_train/eagle_distill.hpp>
+#include <medusa_train/exit_distill.hpp>
 #include <medusa_train/medusa2.hpp>
 #include <medusa_train/selfdistill.hpp>
 #include <medusa_train/trainer.hpp>
@@ -36,6 +37,7 @@ enum class recipe {
   medusa2,  //!< heads, then heads and a LoRA-adapted backbone jointly (docs/training.md)
   draft,    //!< a small draft model distilled from the target (no heads; docs/training.md)
   eagle,    //!< an EAGLE-style feature drafter: one block on the target's features (docs/training.md)
+  exit,     //!< an exit projection for self-speculation: the target's first layers as the draft
 };
 
 //! Everything `medusa-train` can be told.
@@ -93,6 +95,10 @@ struct run_options {
   double eagle_epochs = 4.0;         //!< passes over the training sequences
   double eagle_reg = 1.0;            //!< weight of the feature regression (SmoothL1) next to the KL
   double eagle_noise = 0.1;          //!< input feature noise U(−a, a), a = this × the features' RMS
+  // Exit projection (recipe::exit): a [dim][dim] layer after the first layers' final norm:
+  int exit_layers = 0;               //!< the draft's layers (0: half the target's)
+  double exit_lr = 1e-3;             //!< peak learning rate
+  double exit_epochs = 2.0;          //!< passes over the training sequences
 };
 
 //! Acceptance of one tree measured with `medusa::decoder` (greedy) against plain decoding.
@@ -134,6 +140,11 @@ struct run_report {
   eagle_quality eagle_eval;            //!< its held-out agreement and chain acceptance
   std::filesystem::path eagle_file;    //!< OUT/eagle/model.bin (OUT/eagle, a Hugging Face directory, for RoPE on halves)
   double feature_rms = 0;              //!< RMS of the target's features (the noise's scale)
+  // Exit projection:
+  draft_fit_result exit_fit;           //!< its training
+  draft_quality exit_base;             //!< the plain first layers, held out (the identity exit)
+  draft_quality exit_eval;             //!< the trained exit, held out
+  std::filesystem::path exit_file;     //!< OUT/exit/exit.bin
   double eval_seconds = 0;             //!< evaluation time
   double total_seconds = 0;            //!< whole run
 };
