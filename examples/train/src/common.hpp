@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -218,6 +219,145 @@ inline void per_sequence(medusa_llama::thread_pool& pool, std::size_t n, F&& bod
     }
   });
   if (error) std::rethrow_exception(error);
+}
+
+//! What one sequence of a distillation step adds: its loss terms (already weighted per row) and
+//! the rows where the student's argmax is the teacher's.
+struct sequence_loss {
+  double kl = 0;
+  double regression = 0;
+  std::size_t agree = 0;
+};
+
+//! Where a distillation loop stands, for its progress callback and its result.
+struct distill_status {
+  std::size_t step = 0, total_steps = 0, planned_steps = 0;
+  std::uint64_t positions_seen = 0;
+  double kl = 0, regression = 0, agreement = 0;  // smoothed over the steps
+  double lr = 0, elapsed = 0, positions_per_second = 0, eta = 0;
+  bool budget_limited = false;
+};
+
+//! The optimisation loop the distillation recipes share (draft model, feature drafter, exit):
+//! shuffled batches of `o.batch_sequences` of the `items` (sequence indices), `rows(seq)` trained
+//! rows each; `body(slot, seq, step, weight, grad)` runs one sequence of the batch into its own
+//! zeroed gradient buffer (`weight` = 1 / the batch's rows) and returns its `sequence_loss`; the
+//! buffers are summed in a fixed order, clipped, and AdamW (`decay`, not `o.opt`'s, for the weight
+//! decay) steps `params` on the warm-up + cosine schedule of `o.lr`, fitted to `o.deadline`.
+//! `report(status, last)` after each step. Options: any of the recipes' (`lr`, `epochs`,
+//! `batch_sequences`, `opt`, `seed`, `threads`, `deadline`, `reserve_seconds`, `max_steps`).
+template <class Options, class Rows, class Body, class Report>
+distill_status distill_loop(std::span<float> params, std::vector<std::size_t> items, const Options& o, double decay, std::uint64_t salt,
+                            Rows&& rows, Body&& body, Report&& report) {
+  const auto t0 = clock_type::now();
+  distill_status st;
+  const std::size_t S = o.batch_sequences;
+  st.planned_steps =
+      std::max<std::size_t>(1, static_cast<std::size_t>(std::ceil(o.epochs * static_cast<double>(items.size()) / static_cast<double>(S))));
+  std::size_t total = o.max_steps > 0 ? std::min(st.planned_steps, o.max_steps) : st.planned_steps;
+  const std::size_t P = params.size();
+  std::vector<float> m(P, 0.0f), v(P, 0.0f), g(P, 0.0f);
+  std::vector<std::vector<float>> gbuf(S, std::vector<float>(P));
+  std::vector<sequence_loss> losses(S);
+  medusa_llama::thread_pool pool(std::max(1, o.threads));
+  auto pf = [&](std::size_t nb, const std::function<void(std::size_t)>& f) {
+    pool.run(static_cast<int>(nb), [&](int c, int) { f(static_cast<std::size_t>(c)); });
+  };
+  optimizer_options step_opt = o.opt;
+  step_opt.weight_decay = decay;
+  shuffled_batches batches(std::move(items), S, o.seed ^ salt);
+  moving_average avg_kl, avg_reg, avg_agree;
+  deadline_plan budget{o.deadline, o.reserve_seconds, 4, 10.0};
+  for (std::size_t step = 0; step < total; ++step) {
+    const auto batch = batches.next();
+    const std::size_t nb = batch.size();
+    std::size_t batch_rows = 0;
+    for (std::size_t i = 0; i < nb; ++i) batch_rows += rows(batch[i]);
+    const float weight = 1.0f / static_cast<float>(batch_rows);
+    per_sequence(pool, nb, [&](std::size_t i, std::size_t) {
+      std::fill(gbuf[i].begin(), gbuf[i].end(), 0.0f);
+      losses[i] = body(i, batch[i], step, weight, std::span<float>(gbuf[i]));
+    });
+    const double clip = clip_factor(sum_gradients(gbuf, nb, g, pf), o.opt.clip_norm);
+    optimizer_options sched = o.opt;
+    sched.lr = o.lr;
+    st.lr = learning_rate(sched, step, total);
+    adamw_update(params, g, m, v, step + 1, st.lr, step_opt, clip, pf);
+    double kl = 0, reg = 0, agree = 0;
+    for (std::size_t i = 0; i < nb; ++i) {
+      kl += losses[i].kl / static_cast<double>(batch_rows);
+      reg += losses[i].regression / static_cast<double>(batch_rows);
+      agree += static_cast<double>(losses[i].agree) / static_cast<double>(batch_rows);
+    }
+    st.positions_seen += batch_rows;
+    avg_kl.add(kl);
+    avg_reg.add(reg);
+    avg_agree.add(agree);
+    st.step = step + 1;
+    st.elapsed = seconds_since(t0);
+    if (budget.update(step, st.elapsed, total)) st.budget_limited = true;
+    st.total_steps = total;
+    st.kl = avg_kl.value();
+    st.regression = avg_reg.value();
+    st.agreement = avg_agree.value();
+    st.positions_per_second = static_cast<double>(st.positions_seen) / std::max(1e-9, st.elapsed);
+    st.eta = st.elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
+    report(st, step + 1 == total);
+  }
+  st.elapsed = seconds_since(t0);
+  return st;
+}
+
+//! Calls `f` at most every `interval` seconds, and always for the last step: a loop's progress.
+template <class F>
+class progress_throttle {
+ public:
+  progress_throttle(double interval, F f) : interval_(interval), f_(std::move(f)) {}
+  void operator()(const distill_status& st, bool last) {
+    if (!last && seconds_since(last_) < interval_) return;
+    last_ = clock_type::now();
+    f_(st);
+  }
+
+ private:
+  double interval_;
+  F f_;
+  clock_type::time_point last_ = clock_type::now();
+};
+
+//! A recipe's result (`draft_fit_result`, `eagle_fit_result`) from the loop's last status; `res`
+//! holds what the recipe set itself (`train_sequences`).
+template <class Result>
+Result fit_result(Result res, const distill_status& st) {
+  res.steps = st.step;
+  res.planned_steps = st.planned_steps;
+  res.positions_seen = st.positions_seen;
+  res.seconds = st.elapsed;
+  res.final_kl = st.kl;
+  res.final_agreement = st.agreement;
+  if constexpr (requires { res.final_regression; }) res.final_regression = st.regression;
+  res.budget_limited = st.budget_limited;
+  return res;
+}
+
+//! The loop's `report`: `o.on_progress` with a `Progress` (`draft_progress`, `eagle_progress`)
+//! every `o.progress_interval` seconds and at the last step.
+template <class Progress, class Options>
+auto progress_of(const Options& o) {
+  return progress_throttle(o.progress_interval, [&o](const distill_status& s) {
+    if (!o.on_progress) return;
+    Progress pr;
+    pr.step = s.step;
+    pr.total_steps = s.total_steps;
+    pr.kl = s.kl;
+    if constexpr (requires { pr.regression; }) pr.regression = s.regression;
+    pr.agreement = s.agreement;
+    pr.lr = s.lr;
+    pr.elapsed = s.elapsed;
+    pr.positions_per_second = s.positions_per_second;
+    pr.eta = s.eta;
+    o.on_progress(pr);
+  });
 }
 
 }  // namespace medusa_train::detail

@@ -11,12 +11,8 @@
 
 namespace medusa_train {
 
-using detail::clock_type;
-using detail::seconds_since;
-
 draft_fit_result fit_draft(dense_model& draft, std::span<const backbone_sequence> seqs, const teacher_table& teacher,
                            const draft_fit_options& o) {
-  const auto t0 = clock_type::now();
   const auto V = static_cast<std::size_t>(draft.config().vocab_size);
   if (!(o.lr > 0)) throw medusa::invalid_input("draft: the learning rate must be positive");
   if (o.batch_sequences == 0) throw medusa::invalid_input("draft: batch_sequences must be positive");
@@ -32,91 +28,29 @@ draft_fit_result fit_draft(dense_model& draft, std::span<const backbone_sequence
     for (std::int32_t t : seqs[i].tokens)
       if (t < 0 || static_cast<std::size_t>(t) >= V)
         throw medusa::invalid_input("draft: token " + std::to_string(t) + " of the data is outside the draft's vocabulary of " + std::to_string(V));
-  const std::size_t S = o.batch_sequences;
-  res.planned_steps = std::max<std::size_t>(1, static_cast<std::size_t>(std::ceil(o.epochs * static_cast<double>(order.size()) / static_cast<double>(S))));
-  std::size_t total = o.max_steps > 0 ? std::min(res.planned_steps, o.max_steps) : res.planned_steps;
-
-  const std::size_t P = draft.params().size();
-  std::vector<float> m(P, 0.0f), v(P, 0.0f), g(P, 0.0f);
-  std::vector<std::vector<float>> gbuf(S, std::vector<float>(P));
-  std::vector<sequence_state> states(S);
-  std::vector<std::vector<float>> z(S);
-  std::vector<double> seq_kl(S);
-  std::vector<std::size_t> seq_agree(S);
-  medusa_llama::thread_pool pool(std::max(1, o.threads));
-  auto pf = [&](std::size_t nb, const std::function<void(std::size_t)>& f) {
-    pool.run(static_cast<int>(nb), [&](int c, int) { f(static_cast<std::size_t>(c)); });
-  };
-
-  detail::shuffled_batches batches(std::move(order), S, o.seed ^ 0xd4af7ull);
-  detail::moving_average avg_kl, avg_agree;
-  auto last_report = clock_type::now();
-  detail::deadline_plan budget{o.deadline, o.reserve_seconds, 4, 10.0};
-  for (std::size_t step = 0; step < total; ++step) {
-    const auto batch = batches.next();
-    const std::size_t nb = batch.size();
-    std::size_t rows = 0;
-    for (std::size_t i = 0; i < nb; ++i) rows += seqs[batch[i]].tokens.size() - 1;
-    const float weight = 1.0f / static_cast<float>(rows);
-
-    // Each sequence: forward, the KL of every position but the last, back into its own buffer.
-    detail::per_sequence(pool, nb, [&](std::size_t i, std::size_t) {
-      const std::size_t s = batch[i];
-      const auto& tokens = seqs[s].tokens;
-      const std::size_t n = tokens.size();
-      auto& st = states[i];
-      draft.forward(tokens, st);
-      z[i].resize((n - 1) * V);
-      draft.logits(st, 0, n - 1, z[i].data());
-      double kl = 0;
-      std::size_t agree = 0;
-      for (std::size_t p = 0; p + 1 < n; ++p) {
-        float* zr = z[i].data() + p * V;
-        const auto row = teacher.row(s, p);
-        agree += medusa::argmax(std::span<const float>(zr, V)) == row.ids[0];
-        kl += backbone::kl_row(zr, V, row, weight);
-      }
-      seq_kl[i] = kl;
-      seq_agree[i] = agree;
-      std::fill(gbuf[i].begin(), gbuf[i].end(), 0.0f);
-      draft.backward(st, n - 1, z[i].data(), gbuf[i].data());
-    });
-    const double clip = detail::clip_factor(detail::sum_gradients(gbuf, nb, g, pf), o.opt.clip_norm);
-    optimizer_options sched = o.opt;
-    sched.lr = o.lr;
-    const double lr = learning_rate(sched, step, total);
-    detail::adamw_update(draft.params(), g, m, v, step + 1, lr, o.opt, clip, pf);
-
-    double kl = 0, agree = 0;
-    for (std::size_t i = 0; i < nb; ++i) {
-      kl += seq_kl[i] / static_cast<double>(rows);
-      agree += static_cast<double>(seq_agree[i]) / static_cast<double>(rows);
-      res.positions_seen += seqs[batch[i]].tokens.size();
-    }
-    avg_kl.add(kl);
-    avg_agree.add(agree);
-    res.steps = step + 1;
-    const double elapsed = seconds_since(t0);
-    if (budget.update(step, elapsed, total)) res.budget_limited = true;
-    const bool last = step + 1 == total;
-    if (o.on_progress && (last || seconds_since(last_report) >= o.progress_interval)) {
-      last_report = clock_type::now();
-      draft_progress pr;
-      pr.step = step + 1;
-      pr.total_steps = total;
-      pr.kl = avg_kl.value();
-      pr.agreement = avg_agree.value();
-      pr.lr = lr;
-      pr.elapsed = elapsed;
-      pr.positions_per_second = static_cast<double>(res.positions_seen) / std::max(1e-9, elapsed);
-      pr.eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
-      o.on_progress(pr);
-    }
-  }
-  res.seconds = seconds_since(t0);
-  res.final_kl = avg_kl.value();
-  res.final_agreement = avg_agree.value();
-  return res;
+  std::vector<sequence_state> states(o.batch_sequences);
+  std::vector<std::vector<float>> z(o.batch_sequences);
+  const auto st = detail::distill_loop(
+      draft.params(), std::move(order), o, o.opt.weight_decay, 0xd4af7ull, [&](std::size_t s) { return seqs[s].tokens.size() - 1; },
+      [&](std::size_t i, std::size_t s, std::size_t, float weight, std::span<float> grad) {
+        // Forward, the KL of every position but the last, back into this sequence's buffer.
+        const auto& tokens = seqs[s].tokens;
+        const std::size_t n = tokens.size();
+        draft.forward(tokens, states[i]);
+        z[i].resize((n - 1) * V);
+        draft.logits(states[i], 0, n - 1, z[i].data());
+        detail::sequence_loss loss;
+        for (std::size_t p = 0; p + 1 < n; ++p) {
+          float* zr = z[i].data() + p * V;
+          const auto row = teacher.row(s, p);
+          loss.agree += medusa::argmax(std::span<const float>(zr, V)) == row.ids[0];
+          loss.kl += backbone::kl_row(zr, V, row, weight);
+        }
+        draft.backward(states[i], n - 1, z[i].data(), grad.data());
+        return loss;
+      },
+      detail::progress_of<draft_progress>(o));
+  return detail::fit_result(res, st);
 }
 
 draft_quality measure_draft(const dense_model& draft, std::span<const backbone_sequence> seqs, const teacher_table& teacher,

@@ -11,8 +11,6 @@
 
 namespace medusa_train {
 
-using detail::clock_type;
-using detail::seconds_since;
 
 namespace detail {
 
@@ -71,7 +69,6 @@ double feature_table::rms(std::span<const backbone_sequence> seqs) const {
 
 eagle_fit_result fit_eagle(eagle_model& em, std::span<const backbone_sequence> seqs, const feature_table& features, const teacher_table& teacher,
                            const eagle_fit_options& o) {
-  const auto t0 = clock_type::now();
   const auto V = static_cast<std::size_t>(em.config().vocab_size), d = static_cast<std::size_t>(em.config().dim);
   if (!(o.lr > 0)) throw medusa::invalid_input("eagle: the learning rate must be positive");
   if (o.batch_sequences == 0) throw medusa::invalid_input("eagle: batch_sequences must be positive");
@@ -87,100 +84,34 @@ eagle_fit_result fit_eagle(eagle_model& em, std::span<const backbone_sequence> s
   eagle_fit_result res;
   res.train_sequences = order.size();
   if (order.empty()) throw medusa::invalid_input("eagle: no training sequence");
-  const std::size_t S = o.batch_sequences;
-  res.planned_steps = std::max<std::size_t>(1, static_cast<std::size_t>(std::ceil(o.epochs * static_cast<double>(order.size()) / static_cast<double>(S))));
-  std::size_t total = o.max_steps > 0 ? std::min(res.planned_steps, o.max_steps) : res.planned_steps;
-
-  const std::size_t P = em.params().size();
-  std::vector<float> m(P, 0.0f), v(P, 0.0f), g(P, 0.0f);
-  std::vector<std::vector<float>> gbuf(S, std::vector<float>(P));
-  std::vector<eagle_state> states(S);
-  std::vector<std::vector<float>> z(S), dg(S);
-  std::vector<double> seq_kl(S), seq_reg(S);
-  std::vector<std::size_t> seq_agree(S);
-  medusa_llama::thread_pool pool(std::max(1, o.threads));
-  auto pf = [&](std::size_t nb, const std::function<void(std::size_t)>& f) {
-    pool.run(static_cast<int>(nb), [&](int c, int) { f(static_cast<std::size_t>(c)); });
-  };
-
-  detail::shuffled_batches batches(std::move(order), S, o.seed ^ 0xea61eull);
-  detail::moving_average avg_kl, avg_reg, avg_agree;
-  auto last_report = clock_type::now();
-  detail::deadline_plan budget{o.deadline, o.reserve_seconds, 4, 10.0};
-  for (std::size_t step = 0; step < total; ++step) {
-    const auto batch = batches.next();
-    const std::size_t nb = batch.size();
-    std::size_t rows = 0;
-    for (std::size_t i = 0; i < nb; ++i) rows += seqs[batch[i]].tokens.size() - 2;
-    const float weight = 1.0f / static_cast<float>(rows);
-    const float reg_weight = static_cast<float>(o.reg) * weight;
-
-    detail::per_sequence(pool, nb, [&](std::size_t i, std::size_t) {
-      const std::size_t s = batch[i];
-      const auto& tokens = seqs[s].tokens;
-      const std::size_t rs = tokens.size() - 2;  // rows 0…n−3: (E t_{i+1}, f_i) → t_{i+2}, f_{i+1}
-      const float* f = features.of(s);
-      auto& st = states[i];
-      const eagle_forward_options fo{static_cast<float>(o.noise), detail::mix(detail::mix(o.seed ^ 0x401ce) + step) ^ s};
-      em.forward(std::span(tokens).subspan(1, rs), f, st, fo);
-      z[i].resize(rs * V);
-      dg[i].resize(rs * d);
-      em.logits(st, 0, rs, z[i].data());
-      double kl = 0, reg = 0;
-      std::size_t agree = 0;
-      for (std::size_t r = 0; r < rs; ++r) {
-        float* zr = z[i].data() + r * V;
-        const auto row = teacher.row(s, r + 1);
-        agree += medusa::argmax(std::span<const float>(zr, V)) == row.ids[0];
-        kl += backbone::kl_row(zr, V, row, weight);
-        reg += detail::smooth_l1_row(st.stack.hidden.data() + r * d, f + (r + 1) * d, d, reg_weight, dg[i].data() + r * d);
-      }
-      seq_kl[i] = kl;
-      seq_reg[i] = reg;
-      seq_agree[i] = agree;
-      std::fill(gbuf[i].begin(), gbuf[i].end(), 0.0f);
-      em.backward(st, rs, z[i].data(), dg[i].data(), gbuf[i].data());
-    });
-    const double clip = detail::clip_factor(detail::sum_gradients(gbuf, nb, g, pf), o.opt.clip_norm);
-    optimizer_options sched = o.opt;
-    sched.lr = o.lr;
-    const double lr = learning_rate(sched, step, total);
-    detail::adamw_update(em.params(), g, m, v, step + 1, lr, o.opt, clip, pf);
-
-    double kl = 0, reg = 0, agree = 0;
-    for (std::size_t i = 0; i < nb; ++i) {
-      kl += seq_kl[i] / static_cast<double>(rows);
-      reg += seq_reg[i] / static_cast<double>(rows);
-      agree += static_cast<double>(seq_agree[i]) / static_cast<double>(rows);
-      res.positions_seen += seqs[batch[i]].tokens.size() - 2;
-    }
-    avg_kl.add(kl);
-    avg_reg.add(reg);
-    avg_agree.add(agree);
-    res.steps = step + 1;
-    const double elapsed = seconds_since(t0);
-    if (budget.update(step, elapsed, total)) res.budget_limited = true;
-    const bool last = step + 1 == total;
-    if (o.on_progress && (last || seconds_since(last_report) >= o.progress_interval)) {
-      last_report = clock_type::now();
-      eagle_progress pr;
-      pr.step = step + 1;
-      pr.total_steps = total;
-      pr.kl = avg_kl.value();
-      pr.regression = avg_reg.value();
-      pr.agreement = avg_agree.value();
-      pr.lr = lr;
-      pr.elapsed = elapsed;
-      pr.positions_per_second = static_cast<double>(res.positions_seen) / std::max(1e-9, elapsed);
-      pr.eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(total - step - 1);
-      o.on_progress(pr);
-    }
-  }
-  res.seconds = seconds_since(t0);
-  res.final_kl = avg_kl.value();
-  res.final_regression = avg_reg.value();
-  res.final_agreement = avg_agree.value();
-  return res;
+  std::vector<eagle_state> states(o.batch_sequences);
+  std::vector<std::vector<float>> z(o.batch_sequences), dg(o.batch_sequences);
+  const auto st = detail::distill_loop(
+      em.params(), std::move(order), o, o.opt.weight_decay, 0xea61eull, [&](std::size_t s) { return seqs[s].tokens.size() - 2; },
+      [&](std::size_t i, std::size_t s, std::size_t step, float weight, std::span<float> grad) {
+        const auto& tokens = seqs[s].tokens;
+        const std::size_t rs = tokens.size() - 2;  // rows 0…n−3: (E t_{i+1}, f_i) → t_{i+2}, f_{i+1}
+        const float* f = features.of(s);
+        auto& st = states[i];
+        const eagle_forward_options fo{static_cast<float>(o.noise), detail::mix(detail::mix(o.seed ^ 0x401ce) + step) ^ s};
+        em.forward(std::span(tokens).subspan(1, rs), f, st, fo);
+        z[i].resize(rs * V);
+        dg[i].resize(rs * d);
+        em.logits(st, 0, rs, z[i].data());
+        const float reg_weight = static_cast<float>(o.reg) * weight;
+        detail::sequence_loss loss;
+        for (std::size_t r = 0; r < rs; ++r) {
+          float* zr = z[i].data() + r * V;
+          const auto row = teacher.row(s, r + 1);
+          loss.agree += medusa::argmax(std::span<const float>(zr, V)) == row.ids[0];
+          loss.kl += backbone::kl_row(zr, V, row, weight);
+          loss.regression += detail::smooth_l1_row(st.stack.hidden.data() + r * d, f + (r + 1) * d, d, reg_weight, dg[i].data() + r * d);
+        }
+        em.backward(st, rs, z[i].data(), dg[i].data(), grad.data());
+        return loss;
+      },
+      detail::progress_of<eagle_progress>(o));
+  return detail::fit_result(res, st);
 }
 
 eagle_quality measure_eagle(const eagle_model& em, std::span<const backbone_sequence> seqs, const feature_table& features,

@@ -272,6 +272,24 @@ medusa_llama::model_config draft_config(const run_options& o, const medusa_llama
   return c;
 }
 
+// The options the distillation recipes share (draft model, feature drafter, exit): the run's
+// batch, optimiser, seed, threads and deadline (5 s kept for the rest), this recipe's rate and epochs.
+template <class FitOptions>
+FitOptions distill_options(const run_options& o, double lr, double epochs, int threads, std::optional<clock_type::time_point> deadline,
+                           double progress_interval) {
+  FitOptions fo;
+  fo.lr = lr;
+  fo.epochs = epochs;
+  fo.batch_sequences = o.batch_sequences;
+  fo.opt = o.opt;
+  fo.seed = o.seed;
+  fo.threads = threads;
+  fo.deadline = deadline;
+  fo.reserve_seconds = 5.0;
+  fo.progress_interval = progress_interval;
+  return fo;
+}
+
 // --recipe draft: distil the draft, score it on the held-out continuations, write it as
 // OUT/draft/model.bin (llama2.c; a Hugging Face directory OUT/draft for a target with RoPE on halves),
 // with the target's tokenizer beside it, and OUT/calibration.json.
@@ -283,17 +301,8 @@ void train_draft(const run_options& o, const medusa_llama::model& m, const disti
   const auto teacher = teacher_for(m, seqs, rep, cache_dir, o.teacher_topk, threads, log);
   const auto cfg = draft_config(o, m.config());
   dense_model draft(cfg, o.seed ^ 0xd7a2full);
-  draft_fit_options fo;
-  fo.lr = o.draft_lr;
-  fo.epochs = o.draft_epochs;
-  fo.batch_sequences = o.batch_sequences;
-  fo.opt = o.opt;
-  fo.seed = o.seed;
-  fo.threads = threads;
-  fo.deadline = deadline;
-  fo.reserve_seconds = 5.0;
+  auto fo = distill_options<draft_fit_options>(o, o.draft_lr, o.draft_epochs, threads, deadline, ev.progress_interval);
   fo.on_progress = ev.on_draft;
-  fo.progress_interval = ev.progress_interval;
   log("draft model: " + std::to_string(cfg.n_layers) + " layers, d=" + std::to_string(cfg.dim) + ", hidden " + std::to_string(cfg.hidden_dim) +
       ", " + std::to_string(cfg.n_heads) + " heads (" + std::to_string(draft.params().size()) + " parameters), lr " + fmt("%g", o.draft_lr));
   rep.draft_fit = fit_draft(draft, seqs, teacher, fo);
@@ -360,23 +369,15 @@ void train_eagle(const run_options& o, const medusa_llama::model& m, const disti
       fmt("%.1f s", seconds_since(t_features)) + fmt(", RMS %.4f", rep.feature_rms));
   eagle_model em(m, o.eagle_hidden, o.seed ^ 0xea61eull);
   const auto& cfg = em.config();
-  eagle_fit_options fo;
-  fo.lr = o.eagle_lr;
-  fo.epochs = o.eagle_epochs;
+  auto fo = distill_options<eagle_fit_options>(o, o.eagle_lr, o.eagle_epochs, threads, deadline, ev.progress_interval);
   fo.reg = o.eagle_reg;
   fo.noise = o.eagle_noise * rep.feature_rms;
-  fo.batch_sequences = o.batch_sequences;
-  fo.opt = o.opt;
-  fo.seed = o.seed;
-  fo.threads = threads;
-  fo.deadline = deadline;
   // The held-out chains are drafted row by row: about 2 ms per scored position on 2 cores.
   std::uint64_t scored = 0;
   for (const auto& sq : seqs)
     if (sq.which == split::eval && sq.tokens.size() > sq.row0 + 1) scored += sq.tokens.size() - 1 - sq.row0;
   fo.reserve_seconds = 5.0 + 2e-3 * static_cast<double>(scored);
   fo.on_progress = ev.on_eagle;
-  fo.progress_interval = ev.progress_interval;
   log("eagle drafter: 1 block, d=" + std::to_string(cfg.dim) + ", hidden " + std::to_string(cfg.hidden_dim) + ", " + std::to_string(cfg.n_heads) +
       " heads (" + std::to_string(em.params().size()) + " parameters), lr " + fmt("%g", o.eagle_lr) + fmt(", reg %g", o.eagle_reg) +
       fmt(", noise %g", fo.noise));
@@ -452,17 +453,8 @@ void train_exit(const run_options& o, const medusa_llama::model& m, const distil
       fmt("%.1f s", seconds_since(t_states)));
   std::vector<float> w = identity_exit(m.config().dim);
   rep.exit_base = measure_exit(w, m, states, seqs, teacher, threads);
-  draft_fit_options fo;
-  fo.lr = o.exit_lr;
-  fo.epochs = o.exit_epochs;
-  fo.batch_sequences = o.batch_sequences;
-  fo.opt = o.opt;
-  fo.seed = o.seed;
-  fo.threads = threads;
-  fo.deadline = deadline;
-  fo.reserve_seconds = 5.0;
+  auto fo = distill_options<draft_fit_options>(o, o.exit_lr, o.exit_epochs, threads, deadline, ev.progress_interval);
   fo.on_progress = ev.on_draft;
-  fo.progress_interval = ev.progress_interval;
   log("exit projection after " + std::to_string(k) + " of " + std::to_string(m.config().n_layers) + " layers: " + std::to_string(w.size()) +
       " parameters, lr " + fmt("%g", o.exit_lr));
   rep.exit_fit = fit_exit(w, m, states, seqs, teacher, fo);
