@@ -98,7 +98,7 @@ struct run_options {
   // Exit projection (recipe::exit): a [dim][dim] layer after the first layers' final norm:
   int exit_layers = 0;               //!< the draft's layers (0: half the target's)
   double exit_lr = 1e-3;             //!< peak learning rate
-  double exit_epochs = 2.0;          //!< passes over the training sequences
+  double exit_epochs = 8.0;          //!< passes over the training sequences
 };
 
 //! Acceptance of one tree measured with `medusa::decoder` (greedy) against plain decoding.
