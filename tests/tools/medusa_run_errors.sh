@@ -57,7 +57,7 @@ PY
                      args=(--model "$pycode" --heads random:4 --draft-model "$scratch/other-vocab/model.bin" --prompt x) ;;
   draft_auto_calibration) want=2; pat='--draft-tokens auto needs the calibration.json.*is missing'
                      args=(--model "$pycode" --heads random:4 --draft-model "$pycode" --draft-tokens auto --prompt x) ;;
-  draft_auto_batch)  want=2; pat='--draft-tokens auto needs --draft-model .* and one request'
+  draft_auto_batch)  want=2; pat='--draft-tokens auto needs --draft-model, --eagle or --exit .* and one request'
                      args=(--model "$pycode" --heads random:4 --draft-model "$pycode" --draft-tokens auto --prompts-file "$scratch/prompts.txt") ;;
   speculative_alone) want=2; pat='--policy speculative samples a drafter.s chains'
                      args=(--model "$pycode" --heads random:4 --policy speculative --self-draft-layers 2 --prompt x) ;;
