@@ -147,18 +147,9 @@ class draft_model_branch {
     s.tree_hidden.resize(static_cast<std::size_t>(R) * static_cast<std::size_t>(s.model->hidden_size()));
     const tree_mask_view mask = c == 0 ? pass.shape.mask_view() : tree_mask_view{};
     const int lengths[1] = {n - 1 + c}, indptr[2] = {0, R};
-    bool fits = true;
+    if (!reserve(request, n - 1 + T)) return {};
     timed([&] {
       as_batch([&](auto& m) {
-        using M = std::remove_reference_t<decltype(m)>;
-        if constexpr (kv_granting_model<M>) {
-          if (static_cast<int>(m.reserve(request, n - 1 + T)) < n - 1 + T) {
-            fits = false;
-            return;
-          }
-        } else if constexpr (kv_reserving_model<M>) {
-          m.reserve(request, n - 1 + T);
-        }
         ragged_batch b;
         b.requests = std::span<const int>(&request, 1);
         b.qo_indptr = indptr;
@@ -171,11 +162,6 @@ class draft_model_branch {
         m.forward(b);
       });
     }, R);
-    if (!fits) {  // nothing ran
-      --s.passes;
-      s.tokens_run -= R;
-      return {};
-    }
     return std::span<const float>(s.tree_logits).subspan(static_cast<std::size_t>(R - pass.outputs) * V);
   }
 
@@ -248,7 +234,18 @@ class draft_model_branch {
     return true;
   }
 
-  // Runs `f`, adding its time, one pass and `tokens` rows to the draft's counts.
+  // Makes slots [0, slots) of `request` addressable in a draft that maps its cache on demand; false
+  // when its pool grants fewer.
+  bool reserve(int request, int slots) {
+    return as_batch([&](auto& m) {
+      using M = std::remove_reference_t<decltype(m)>;
+      if constexpr (kv_granting_model<M>) return static_cast<int>(m.reserve(request, slots)) >= slots;
+      else if constexpr (kv_reserving_model<M>) m.reserve(request, slots);
+      return true;
+    });
+  }
+
+  // Runs `f` (one forward pass), adding its time, one pass and `tokens` rows to the draft's counts.
   template <class F>
   void timed(F&& f, int tokens) {
     state& s = *state_;
@@ -268,16 +265,10 @@ class draft_model_branch {
     for (int i = 0; i < T; ++i) s.positions[static_cast<std::size_t>(i)] = length + i;
     s.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
     s.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
+    if (!reserve(request, length + T))
+      throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " + std::to_string(length + T) + " slots");
     timed([&] {
       as_batch([&](auto& m) {
-        using M = std::remove_reference_t<decltype(m)>;
-        if constexpr (kv_granting_model<M>) {
-          if (static_cast<int>(m.reserve(request, length + T)) < length + T)
-            throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " +
-                                                              std::to_string(length + T) + " slots");
-        } else if constexpr (kv_reserving_model<M>) {
-          m.reserve(request, length + T);
-        }
         detail::forward_request(m, request, tokens, s.positions, length, /*last_row_only=*/true, s.logits, s.hidden);
       });
     }, T);

@@ -326,12 +326,10 @@ class tree_drafter {
       throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter returned " + std::to_string(rows.size()) +
                                                                  " logits for " + std::to_string(outputs) + " rows of " +
                                                                  std::to_string(vocab));
-    // Copied first: expanding reads rows the source may overwrite only at its next call, but the
-    // frontier's ids come from this pass's order.
-    rows_.assign(rows.begin(), rows.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(outputs) * v));
+    // The rows stay valid until the source's next call; expanding does not call it.
     for (int j = 0; j < outputs; ++j)
       expand(pass_ids_[n - static_cast<std::size_t>(outputs) + static_cast<std::size_t>(j)],
-             std::span<const float>(rows_).subspan(static_cast<std::size_t>(j) * v, v), vocab);
+             rows.subspan(static_cast<std::size_t>(j) * v, v), vocab);
     return true;
   }
 
@@ -406,7 +404,6 @@ class tree_drafter {
   std::vector<char> in_pass_;
   std::vector<std::vector<int>> pass_paths_;
   std::vector<std::int32_t> pass_tokens_, ids_, continuation_;
-  std::vector<float> rows_;
   std::vector<std::int64_t> passes_by_depth_;
 };
 

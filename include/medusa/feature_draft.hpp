@@ -150,12 +150,7 @@ class feature_draft_branch {
     check_history(request, r, history);
     // Drafting K tokens writes rows at positions [fed, n − 2 + K): the last must fit the context.
     const int count = std::min({s.opt.max_tokens, static_cast<int>(out.size()), context() - n + 2});
-    if (count < 1) return 0;
-    // Catch-up: positions [fed, n − 1) with real features, each row's token the one after it.
-    if (n - 1 - r.fed < 1) return 0;  // drafted already after this history, and nothing accepted since
-    run(request, history.subspan(static_cast<std::size_t>(r.fed) + 1), r.pending, r.fed);
-    r.fed = n - 1;
-    r.pending.clear();
+    if (count < 1 || !catch_up(request, r, history)) return 0;
     for (int i = 0;; ++i) {
       const std::int32_t next = choose(std::span<const float>(s.logits), i);
       out[static_cast<std::size_t>(i)] = next;
@@ -184,9 +179,7 @@ class feature_draft_branch {
     if (n - 1 > context() || n - 1 - r.fed < 1) return {};
     // The root's row (position n − 2) runs again in every pass of the tree: keep its real feature.
     s.root_feature.assign(r.pending.end() - static_cast<std::ptrdiff_t>(d), r.pending.end());
-    run(request, history.subspan(static_cast<std::size_t>(r.fed) + 1), r.pending, r.fed);
-    r.fed = n - 1;
-    r.pending.clear();
+    catch_up(request, r, history);
     s.node_features.assign(s.hidden.begin(), s.hidden.end());  // node 0's: the root's predicted feature
     return s.logits;
   }
@@ -275,6 +268,19 @@ class feature_draft_branch {
   };
 
   [[nodiscard]] int context() const { return static_cast<int>(state_->model->max_context()); }
+
+  // The catch-up pass: positions [fed, n − 1) of a history of n tokens with their real features,
+  // each row's token the one after it; the last row's outputs are left in `logits` / `hidden`.
+  // False (nothing run) when the drafter drafted after this history already and nothing was
+  // accepted since.
+  bool catch_up(int request, request_state& r, std::span<const std::int32_t> history) {
+    const int n = static_cast<int>(history.size());
+    if (n - 1 - r.fed < 1) return false;
+    run(request, history.subspan(static_cast<std::size_t>(r.fed) + 1), r.pending, r.fed);
+    r.fed = n - 1;
+    r.pending.clear();
+    return true;
+  }
 
   // Throws `invalid_input` unless the features of every position of `history` but the root's
   // arrived and its tokens the drafter has not run lie in the vocabulary.
