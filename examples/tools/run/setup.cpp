@@ -78,7 +78,7 @@ std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t
     std::optional<medusa::ngram_lookup> lookup;
     if (a.lookup > 0) lookup = medusa::ngram_lookup{.min_ngram = a.lookup_min, .max_ngram = a.lookup_max, .max_tokens = a.lookup};
     return run_drafter(medusa::tree_drafter<run_tree_source>(
-        run_tree_source{std::move(draft)},
+        run_tree_source{{std::move(draft)}},
         {.max_nodes = a.draft_nodes, .max_depth = a.draft_tokens, .topk = a.draft_topk, .expand = a.draft_expanded(),
          .min_prob = a.draft_min_prob}, lookup));
   }

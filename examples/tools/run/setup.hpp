@@ -183,15 +183,11 @@ struct draft_source {
   }
 };
 
-// A drafter's trees (--draft-nodes): the `tree_draft_source` of a `draft_source`.
-struct run_tree_source {
+// What the step drafters hear about a request through its drafter: that it left, and the target's
+// features (a feature drafter's). The base of `run_branch` and `run_tree_source`.
+struct draft_hooks {
   draft_source draft;
 
-  [[nodiscard]] int vocab_size() const { return draft.vocab; }
-  std::span<const float> draft_root(int request, std::span<const std::int32_t> history) { return draft.root(request, history); }
-  std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const medusa::draft_tree_pass& p) {
-    return draft.pass(request, history, p);
-  }
   void release(int request) {
     if (draft.release) draft.release(request);
   }
@@ -201,11 +197,19 @@ struct run_tree_source {
   }
 };
 
+// A drafter's trees (--draft-nodes): the `tree_draft_source` of a `draft_source`.
+struct run_tree_source : draft_hooks {
+  [[nodiscard]] int vocab_size() const { return draft.vocab; }
+  std::span<const float> draft_root(int request, std::span<const std::int32_t> history) { return draft.root(request, history); }
+  std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const medusa::draft_tree_pass& p) {
+    return draft.pass(request, history, p);
+  }
+};
+
 // The branch of the per-step drafts: the prompt lookup's continuation where it finds one (--lookup),
 // else the draft model's chain.
-struct run_branch {
+struct run_branch : draft_hooks {
   std::optional<medusa::ngram_lookup> lookup;
-  draft_source draft;
 
   [[nodiscard]] int max_tokens() const { return std::max(lookup ? lookup->max_tokens : 0, draft.tokens); }
   void validate() const {
@@ -217,13 +221,6 @@ struct run_branch {
       if (const int n = lookup->find(history, out.first(cap)); n > 0) return n;
     }
     return draft.find ? draft.find(request, history, out) : 0;
-  }
-  void release(int request) {
-    if (draft.release) draft.release(request);
-  }
-  [[nodiscard]] bool observes_features() const { return static_cast<bool>(draft.observe); }
-  void observe(int request, int position, std::span<const float> rows) {
-    if (draft.observe) draft.observe(request, position, rows);
   }
 };
 
