@@ -338,19 +338,7 @@ TEST_CASE("a batch keeps one draft cache per request under draft trees, each dec
   medusa::no_heads none;
   medusa::batch_decoder dec(engine, none, medusa::tree_drafter(b, {.max_nodes = 8, .max_depth = 4, .topk = 2, .expand = 2}),
                             medusa::greedy_policy{}, 4);
-  std::map<int, std::vector<std::int32_t>> out;
-  for (int r = 0; r < 3; ++r) dec.join(10 + r, prompts[static_cast<std::size_t>(r)], tokens(40 + 10 * r));
-  while (dec.size() > 0)
-    for (auto& u : dec.step())
-      if (u.finished) {
-        REQUIRE_FALSE(u.error);
-        out[u.request] = u.result.tokens;
-      }
-  for (int r = 0; r < 3; ++r) {
-    tiny_model alone(512);
-    CHECK(out[10 + r] ==
-          medusa::generate_vanilla(alone, prompts[static_cast<std::size_t>(r)], medusa::greedy_policy{}, tokens(40 + 10 * r)).tokens);
-  }
+  tiny::check_batch_lossless(dec, prompts, 512);
 }
 
 TEST_CASE("a feature drafter's trees are lossless: each node's row takes its parent's predicted feature") {

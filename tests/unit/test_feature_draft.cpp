@@ -175,19 +175,7 @@ TEST_CASE("a batch keeps one drafter cache per request, each decoding as plain g
       medusa::feature_draft_branch<std::remove_reference_t<decltype(model)>> b(model, V, D, {.max_tokens = 3});
       medusa::no_heads none;
       medusa::batch_decoder dec(engine, none, medusa::basic_step_drafter<decltype(b)>({.lookup = b}, 1), medusa::greedy_policy{}, 4);
-      std::map<int, std::vector<std::int32_t>> out;
-      for (int r = 0; r < 3; ++r) dec.join(10 + r, prompts[static_cast<std::size_t>(r)], tokens(40 + 10 * r));
-      while (dec.size() > 0)
-        for (auto& u : dec.step())
-          if (u.finished) {
-            REQUIRE_FALSE(u.error);
-            out[u.request] = u.result.tokens;
-          }
-      for (int r = 0; r < 3; ++r) {
-        tiny_model alone(capacity);
-        CHECK(out[10 + r] == medusa::generate_vanilla(alone, prompts[static_cast<std::size_t>(r)], medusa::greedy_policy{},
-                                                      tokens(40 + 10 * r)).tokens);
-      }
+      tiny::check_batch_lossless(dec, prompts, capacity);
     };
     if (oracle_kind) {
       for (int r = 0; r < 3; ++r) oracle.first[10 + r] = prompts[static_cast<std::size_t>(r)][0];

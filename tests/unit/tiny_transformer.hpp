@@ -307,4 +307,28 @@ class batch_engine {
   std::map<int, cache> caches_;
 };
 
+// Serves `prompts` through the batch decoder `dec` (request ids 10, 11, …; prompt r asks for
+// 40 + 10·r new tokens, joining at once) and checks that every request finished without an error
+// and with the tokens of plain greedy decoding on a fresh `tiny_model(capacity)`.
+template <class BatchDecoder>
+void check_batch_lossless(BatchDecoder& dec, const std::vector<std::vector<std::int32_t>>& prompts, int capacity) {
+  auto asked = [](std::size_t r) {
+    medusa::decode_options opt;
+    opt.max_new_tokens = 40 + 10 * static_cast<int>(r);
+    return opt;
+  };
+  std::map<int, std::vector<std::int32_t>> out;
+  for (std::size_t r = 0; r < prompts.size(); ++r) dec.join(10 + static_cast<int>(r), prompts[r], asked(r));
+  while (dec.size() > 0)
+    for (auto& u : dec.step())
+      if (u.finished) {
+        REQUIRE_FALSE(u.error);
+        out[u.request] = u.result.tokens;
+      }
+  for (std::size_t r = 0; r < prompts.size(); ++r) {
+    tiny_model alone(capacity);
+    CHECK(out[10 + static_cast<int>(r)] == medusa::generate_vanilla(alone, prompts[r], medusa::greedy_policy{}, asked(r)).tokens);
+  }
+}
+
 }  // namespace tiny

@@ -170,11 +170,8 @@ TEST_CASE("eagle_engine runs a draft tree's pass: each node's outputs are those 
   std::vector<std::int32_t> node_tokens(tokens.begin() + kept, tokens.begin() + kept + T), pos;
   for (int i = 0; i < T; ++i) pos.push_back(kept + t.node_depth(i));
   const auto node_f = std::span<const float>(f).subspan(static_cast<std::size_t>(kept) * dim, static_cast<std::size_t>(T) * dim);
-  run_rows(e, 1, tokens, f, 0, kept);  // request 1 runs each node's path after the same kept slots
-  for (const int outputs : {1, 3, T}) {
-    CAPTURE(outputs);
-    run_rows(e, 0, tokens, f, 0, kept);
-    std::vector<float> logits(static_cast<std::size_t>(outputs) * vocab), hidden(static_cast<std::size_t>(outputs) * dim);
+  // The tree's pass after the kept slots, the last `outputs` rows' outputs into `logits` / `hidden`.
+  auto tree_pass = [&](std::vector<float>& logits, std::vector<float>& hidden, int outputs) {
     medusa::feature_batch b;
     b.tokens = node_tokens;
     b.features = node_f;
@@ -184,23 +181,26 @@ TEST_CASE("eagle_engine runs a draft tree's pass: each node's outputs are those 
     b.hidden = hidden;
     b.tree_mask = t.mask_view();
     b.outputs = outputs;
-    e.forward(b);
+    return b;
+  };
+  run_rows(e, 1, tokens, f, 0, kept);  // request 1 runs each node's path after the same kept slots
+  for (const int outputs : {1, 3, T}) {
+    CAPTURE(outputs);
+    run_rows(e, 0, tokens, f, 0, kept);
+    std::vector<float> logits(static_cast<std::size_t>(outputs) * vocab), hidden(static_cast<std::size_t>(outputs) * dim);
+    e.forward(tree_pass(logits, hidden, outputs));
     for (int j = 0; j < outputs; ++j) {
       const int node = T - outputs + j;
       CAPTURE(node);
-      // The node's path, root first, as causal rows after the kept slots.
+      // The kept rows, then the node's path root first, as causal rows.
       std::vector<int> path;
       for (int u = node; u >= 0; u = t.parent(u)) path.insert(path.begin(), u);
-      std::vector<std::int32_t> ptok;
-      std::vector<float> pf;
-      for (const int u : path) {
-        ptok.push_back(node_tokens[static_cast<std::size_t>(u)]);
-        pf.insert(pf.end(), node_f.begin() + u * dim, node_f.begin() + (u + 1) * dim);
-      }
       std::vector<std::int32_t> ptokens(tokens.begin(), tokens.begin() + kept);
-      ptokens.insert(ptokens.end(), ptok.begin(), ptok.end());
       std::vector<float> pfeat(f.begin(), f.begin() + kept * dim);
-      pfeat.insert(pfeat.end(), pf.begin(), pf.end());
+      for (const int u : path) {
+        ptokens.push_back(node_tokens[static_cast<std::size_t>(u)]);
+        pfeat.insert(pfeat.end(), node_f.begin() + u * dim, node_f.begin() + (u + 1) * dim);
+      }
       const pass_out want = run_rows(e, 1, ptokens, pfeat, kept, static_cast<int>(ptokens.size()));
       CHECK(max_rel(std::span<const float>(logits).subspan(static_cast<std::size_t>(j) * vocab, vocab), want.logits) < 1e-5);
       CHECK(max_rel(std::span<const float>(hidden).subspan(static_cast<std::size_t>(j) * dim, dim), want.hidden) < 1e-5);
@@ -209,14 +209,7 @@ TEST_CASE("eagle_engine runs a draft tree's pass: each node's outputs are those 
   // A tree pass must fit one pass of max_rows, and outputs lie in [1, T].
   medusa_llama::eagle_engine small(em.to_model(), fc, {.threads = 1, .max_rows = 4});
   std::vector<float> logits(vocab), hidden(dim);
-  medusa::feature_batch b;
-  b.tokens = node_tokens;
-  b.features = node_f;
-  b.positions = pos;
-  b.cache_length = kept;
-  b.logits = logits;
-  b.hidden = hidden;
-  b.tree_mask = t.mask_view();
+  medusa::feature_batch b = tree_pass(logits, hidden, 1);
   CHECK_THROWS_WITH_AS(small.forward(b), doctest::Contains("exceeds max_rows 4"), medusa_llama::engine_error);
   b.outputs = 0;
   CHECK_THROWS_WITH_AS(e.forward(b), doctest::Contains("outputs for 0 of 7 rows"), medusa_llama::engine_error);
