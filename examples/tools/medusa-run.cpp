@@ -80,12 +80,11 @@ int run(run_args a) {
       throw usage_error("--draft-nodes grows a drafter's own tree: it needs --draft-model, --self-draft-layers or --eagle with "
                         "--draft-alone");
     if (a.draft_tokens_auto) throw usage_error("--draft-tokens auto chooses a chain: give --draft-nodes a number of tokens (its depth)");
-    if (a.policy == medusa::speculative_policy::name)
-      throw usage_error("--policy speculative samples a drafter's chains: it takes no --draft-nodes");
   }
-  if (a.policy == medusa::speculative_policy::name && want_medusa && (!drafted || !a.draft_alone || a.lookup > 0))
-    throw usage_error("--policy speculative samples a drafter's chains and verifies them against the drafter's own "
-                      "distribution: it needs --draft-model, --self-draft-layers or --eagle with --draft-alone, no --lookup");
+  if (a.policy == medusa::speculative_policy::name && want_medusa && (!drafted || !a.draft_alone || (a.lookup > 0 && a.draft_nodes == 0)))
+    throw usage_error("--policy speculative samples a drafter's chains (or trees, with --draft-nodes) and verifies them against "
+                      "the drafter's own distribution: it needs --draft-model, --self-draft-layers or --eagle with --draft-alone, "
+                      "and takes --lookup only with --draft-nodes");
   if (drafted) {
     if (a.policy == medusa::draft_sampling_policy::name)
       throw usage_error("--policy sampled draws its own drafts: it takes no draft model");

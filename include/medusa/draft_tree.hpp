@@ -23,6 +23,10 @@
 //! (e.g. `rejection_policy`) keep the target's distribution, with a point mass as each node's
 //! draft distribution.
 //!
+//! `tree_sampler` grows the same trees from *sampled* tokens, for `speculative_policy` at T > 0:
+//! each node's children are drawn without replacement from the drafter's warped distribution at
+//! that node, and every node comes with the distribution its token was drawn from (see the class).
+//!
 //! @code
 //! medusa::feature_draft_branch<medusa_llama::eagle_engine> eagle(drafter, target.vocab_size(), target.hidden_size());
 //! medusa::tree_drafter drafts(eagle, {.max_nodes = 24, .max_depth = 6, .topk = 4, .expand = 4});
@@ -32,8 +36,11 @@
 #pragma once
 
 #include <medusa/config.hpp>
+#include <medusa/acceptance/policies.hpp>
+#include <medusa/acceptance/sampling.hpp>
 #include <medusa/acceptance_error.hpp>
 #include <medusa/candidates.hpp>
+#include <medusa/detail/philox.hpp>
 #include <medusa/detail/row_math.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/error.hpp>
@@ -45,6 +52,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -113,6 +121,9 @@ concept tree_draft_source = std::copy_constructible<S> &&
       { s.draft_pass(request, history, pass) } -> std::convertible_to<std::span<const float>>;
     };
 
+template <tree_draft_source Source>
+class tree_sampler;
+
 //! A per-step drafter (`step_drafts`, drafts.hpp) whose trees a model-running drafter grows (see
 //! the file comment). Not thread-safe (scratch buffers); copies share the source's state when the
 //! source's copies do.
@@ -153,33 +164,7 @@ class tree_drafter {
   //! row or a vocabulary other than `vocab`, and what the source throws.
   std::optional<tree> draft(int request, std::span<const std::int32_t> history, std::span<const float> /*head_logits*/,
                             int vocab, std::span<std::int32_t> node_tokens) {
-    if (history.empty()) return std::nullopt;
-    if (static_cast<int>(source_.vocab_size()) != vocab)
-      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter has a vocabulary of " +
-                                                                 std::to_string(source_.vocab_size()) + ", the target " +
-                                                                 std::to_string(vocab));
-    if (static_cast<int>(node_tokens.size()) < max_nodes_)
-      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: node_tokens holds " +
-                                                                 std::to_string(node_tokens.size()) + " nodes, a tree up to " +
-                                                                 std::to_string(max_nodes_));
-    grow(request, history, vocab);
-    std::vector<std::vector<int>> paths = chosen_paths();
-    int found = 0;
-    if (lookup_) {
-      found = lookup_->find(history, continuation_);
-      if (found > 0) add_lookup_branch(paths, std::span<const std::int32_t>(continuation_.data(), static_cast<std::size_t>(found)));
-    }
-    if (paths.empty()) return std::nullopt;
-    tree_options topt;
-    topt.topk = opt_.topk + 1;  // rank `topk`: lookup nodes
-    topt.max_depth = max_depth_;
-    tree out = tree::from_paths(paths, topt);
-    node_tokens[0] = history.back();
-    for (int u = 1; u < out.num_nodes(); ++u) {
-      const auto& p = out.sorted_paths()[static_cast<std::size_t>(u) - 1];
-      node_tokens[static_cast<std::size_t>(u)] = token_at(p);
-    }
-    return out;
+    return draft_tree(request, history, vocab, node_tokens, nullptr);
   }
 
   //! The same for request 0 (one request alone).
@@ -210,13 +195,70 @@ class tree_drafter {
   [[nodiscard]] std::span<const std::int64_t> passes_by_depth() const noexcept { return passes_by_depth_; }
 
  private:
+  friend class tree_sampler<Source>;
+
+  // The sampled trees of `tree_sampler`: tokens drawn with the warp.
+  tree_drafter(Source source, draft_tree_options opt, const sampling_warp& warp, std::optional<ngram_lookup> lookup)
+      : tree_drafter(std::move(source), opt, lookup) {
+    warp.validate();
+    warp_ = warp;
+    const auto slots = static_cast<std::size_t>(opt_.max_nodes);
+    slot_parent_.resize(slots);
+    slot_token_.resize(slots);
+  }
+
+  // The step's tree (see `draft`). Sampled (`warp_`): the draws come from Philox(seed_, step_), and
+  // `rows` (`[max_nodes()][vocab]`) receives each node's draft distribution.
+  std::optional<tree> draft_tree(int request, std::span<const std::int32_t> history, int vocab,
+                                 std::span<std::int32_t> node_tokens, float* rows) {
+    if (history.empty()) return std::nullopt;
+    if (static_cast<int>(source_.vocab_size()) != vocab)
+      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter has a vocabulary of " +
+                                                                 std::to_string(source_.vocab_size()) + ", the target " +
+                                                                 std::to_string(vocab));
+    if (static_cast<int>(node_tokens.size()) < max_nodes_)
+      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: node_tokens holds " +
+                                                                 std::to_string(node_tokens.size()) + " nodes, a tree up to " +
+                                                                 std::to_string(max_nodes_));
+    grow(request, history, vocab);
+    std::vector<std::vector<int>> paths = chosen_paths();
+    int found = 0;
+    if (lookup_) {
+      found = lookup_->find(history, continuation_);
+      if (found > 0) add_lookup_branch(paths, std::span<const std::int32_t>(continuation_.data(), static_cast<std::size_t>(found)));
+    }
+    if (paths.empty()) return std::nullopt;
+    tree_options topt;
+    topt.topk = opt_.topk + 1;  // rank `topk`: lookup nodes
+    topt.max_depth = max_depth_;
+    tree out = tree::from_paths(paths, topt);
+    node_tokens[0] = history.back();
+    const auto v = static_cast<std::size_t>(vocab);
+    for (int u = 1; u < out.num_nodes(); ++u) {
+      const auto& p = out.sorted_paths()[static_cast<std::size_t>(u) - 1];
+      const int id = node_at(p);
+      node_tokens[static_cast<std::size_t>(u)] = id >= 0 ? nodes_[static_cast<std::size_t>(id)].token : continuation_[p.size() - 1];
+      if (rows == nullptr) continue;
+      float* row = rows + static_cast<std::size_t>(u) * v;
+      if (id >= 0) {
+        const float* drawn = draw_rows_.data() + static_cast<std::size_t>(nodes_[static_cast<std::size_t>(id)].slot) * v;
+        std::copy(drawn, drawn + v, row);
+      } else {  // the lookup's own token: a point mass
+        std::fill(row, row + v, 0.0f);
+        row[static_cast<std::size_t>(node_tokens[static_cast<std::size_t>(u)])] = 1.0f;
+      }
+    }
+    return out;
+  }
+
   struct node {
     int parent;         // node id; -1 for the root
-    int rank;           // among the parent's children (the drafter's top-k order)
+    int rank;           // among the parent's children (the drafter's top-k order, or the draw order)
     int depth;
     std::int32_t token;
-    double logp;        // joint log-probability of the path under the drafter
+    double logp;        // joint log-probability of the path under the drafter (warped when sampled)
     int first_child;    // id of child rank 0 (children are consecutive), -1 before expansion
+    int slot = -1;      // sampled: the draw that made the node (its row in `draw_rows_`)
   };
 
   // Children of `parent` from its logit row: the drafter's top-k, each with the path's log-probability.
@@ -236,6 +278,84 @@ class tree_drafter {
       const std::int32_t t = ids_[static_cast<std::size_t>(r)];
       const double lp = static_cast<double>(row[static_cast<std::size_t>(t)] - m) - log_sum;
       nodes_.push_back({parent, r, depth, t, base + std::min(lp, 0.0), -1});
+    }
+  }
+
+  // Sampled children of the `parents` (rows `[parents][vocab]`, in that order): the children of
+  // each are drawn without replacement from its warped row, one draw at a time, from the parent
+  // whose next draw is the most probable to carry (its path's probability times its row's mass not
+  // drawn yet; ties: the earlier parent), until `max_nodes` nodes are drawn, a parent has `topk`
+  // children, its row is spent, or no draw reaches `min_prob`. Which parent draws next depends only
+  // on draws already made, and every drawn token is kept: conditioned on everything before it, each
+  // draw follows the row it is verified against, which is what keeps speculative sampling exact.
+  void expand_sampled(std::span<const int> parents, std::span<const float> rows, int vocab) {
+    const auto v = static_cast<std::size_t>(vocab);
+    const std::size_t np = parents.size();
+    q_rows_.resize(np * v);
+    rest_.assign(np, 0.0);
+    children_.assign(np, 0);
+    for (std::size_t j = 0; j < np; ++j) {
+      const auto row = rows.subspan(j * v, v);
+      detail::check_logit_row(row, parents[j], "draft tree: the drafter's row after node");
+      const double mass = detail::warp_into(row, *warp_, r_.data(), warp_ids_.data(), keys_.data());
+      float* q = q_rows_.data() + j * v;
+      double total = 0.0;
+      for (std::size_t x = 0; x < v; ++x) total += q[x] = static_cast<float>(r_[x] / mass);
+      rest_[j] = total;
+    }
+    const int first_slot = drawn_;
+    while (drawn_ < opt_.max_nodes) {
+      int best = -1;
+      double best_score = -std::numeric_limits<double>::infinity();
+      for (std::size_t j = 0; j < np; ++j) {
+        if (children_[j] >= opt_.topk || !(rest_[j] > 0.0)) continue;
+        const double score = nodes_[static_cast<std::size_t>(parents[j])].logp + std::log(rest_[j]);
+        if (score >= floor_ && (best < 0 || score > best_score)) {
+          best = static_cast<int>(j);
+          best_score = score;
+        }
+      }
+      if (best < 0) break;
+      const auto j = static_cast<std::size_t>(best);
+      // The row drawn from: the parent's row without its children so far, renormalised.
+      const float* q = q_rows_.data() + j * v;
+      float* p = draw_rows_.data() + static_cast<std::size_t>(drawn_) * v;
+      std::copy(q, q + v, p);
+      for (int s = first_slot; s < drawn_; ++s)
+        if (slot_parent_[static_cast<std::size_t>(s)] == best) p[static_cast<std::size_t>(slot_token_[static_cast<std::size_t>(s)])] = 0.0f;
+      double rest = 0.0;
+      for (std::size_t x = 0; x < v; ++x) rest += p[x];
+      if (!(rest > 0.0)) {
+        rest_[j] = 0.0;
+        continue;
+      }
+      double mass = 0.0;  // draw from exactly the float row the verification reads
+      for (std::size_t x = 0; x < v; ++x) {
+        p[x] = static_cast<float>(static_cast<double>(p[x]) / rest);
+        mass += r_[x] = static_cast<double>(p[x]);
+      }
+      const double u = detail::philox_uniform(seed_, step_, detail::draft_draw_offset + draws_++);
+      const std::int32_t token = detail::draw_from(r_.data(), v, mass, u);
+      slot_parent_[static_cast<std::size_t>(drawn_)] = best;
+      slot_token_[static_cast<std::size_t>(drawn_)] = token;
+      ++drawn_;
+      ++children_[j];
+      rest_[j] = std::max(rest - static_cast<double>(q[static_cast<std::size_t>(token)]), 0.0);
+    }
+    // The drawn nodes, each parent's children consecutive in draw order.
+    for (std::size_t j = 0; j < np; ++j) {
+      node& parent = nodes_[static_cast<std::size_t>(parents[j])];
+      if (children_[j] == 0) continue;
+      parent.first_child = static_cast<int>(nodes_.size());
+      const double base = parent.logp;
+      const int depth = parent.depth + 1;
+      int rank = 0;
+      for (int s = first_slot; s < drawn_; ++s) {
+        if (slot_parent_[static_cast<std::size_t>(s)] != static_cast<int>(j)) continue;
+        const std::int32_t t = slot_token_[static_cast<std::size_t>(s)];
+        const double lp = std::log(static_cast<double>(q_rows_[j * v + static_cast<std::size_t>(t)]));
+        nodes_.push_back({parents[static_cast<std::size_t>(j)], rank++, depth, t, base + lp, -1, s});
+      }
     }
   }
 
@@ -259,13 +379,26 @@ class tree_drafter {
   void grow(int request, std::span<const std::int32_t> history, int vocab) {
     nodes_.clear();
     nodes_.push_back({-1, -1, 0, history.back(), 0.0, -1});
+    drawn_ = 0;
+    if (warp_) {
+      const auto v = static_cast<std::size_t>(vocab);
+      draw_rows_.resize(static_cast<std::size_t>(opt_.max_nodes) * v);
+      r_.resize(v);
+      warp_ids_.resize(v);
+      keys_.resize(v);
+    }
     const std::span<const float> root = source_.draft_root(request, history);
     if (root.empty()) return;
     chain_end_ = 0;  // the drafter's cache holds the root's row
     count_pass(0);
     const auto v = static_cast<std::size_t>(vocab);
     if (root.size() < v) throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter's root row is short");
-    expand(0, root.first(v), vocab);
+    if (warp_) {
+      const int root_id = 0;
+      expand_sampled(std::span<const int>(&root_id, 1), root.first(v), vocab);
+    } else {
+      expand(0, root.first(v), vocab);
+    }
     for (int depth = 1; depth < opt_.max_depth; ++depth) {
       // The depth's nodes, most probable first: the first `expand` of them grow.
       frontier_.clear();
@@ -276,10 +409,14 @@ class tree_drafter {
       // Below min_prob a node is not drafted, nor any descendant (never more probable).
       std::erase_if(frontier_, [&](int u) { return nodes_[static_cast<std::size_t>(u)].logp < floor_; });
       if (frontier_.empty()) break;
-      // Stop once `max_nodes` drafted nodes beat the best of them: no descendant can enter the tree.
-      int better = 0;
-      for (int u = 1; u < static_cast<int>(nodes_.size()); ++u) better += before(u, frontier_.front()) ? 1 : 0;
-      if (better >= opt_.max_nodes) break;
+      if (warp_) {
+        if (drawn_ >= opt_.max_nodes) break;  // sampled: every draw is kept, the budget is spent
+      } else {
+        // Stop once `max_nodes` drafted nodes beat the best of them: no descendant can enter the tree.
+        int better = 0;
+        for (int u = 1; u < static_cast<int>(nodes_.size()); ++u) better += before(u, frontier_.front()) ? 1 : 0;
+        if (better >= opt_.max_nodes) break;
+      }
       if (!run_pass(request, history, vocab)) break;
       count_pass(depth);
     }
@@ -327,17 +464,23 @@ class tree_drafter {
                                                                  " logits for " + std::to_string(outputs) + " rows of " +
                                                                  std::to_string(vocab));
     // The rows stay valid until the source's next call; expanding does not call it.
+    if (warp_) {
+      expand_sampled(std::span<const int>(pass_ids_).subspan(n - static_cast<std::size_t>(outputs)),
+                     rows.first(static_cast<std::size_t>(outputs) * v), vocab);
+      return true;
+    }
     for (int j = 0; j < outputs; ++j)
       expand(pass_ids_[n - static_cast<std::size_t>(outputs) + static_cast<std::size_t>(j)],
              rows.subspan(static_cast<std::size_t>(j) * v, v), vocab);
     return true;
   }
 
-  // The step's tree: the `max_nodes` most probable drafted nodes, as paths.
+  // The step's tree: the `max_nodes` most probable drafted nodes, as paths (sampled: every node
+  // drawn; leaving one out for its value would bias the draws that remain).
   std::vector<std::vector<int>> chosen_paths() {
     chosen_.clear();
     for (int u = 1; u < static_cast<int>(nodes_.size()); ++u)
-      if (nodes_[static_cast<std::size_t>(u)].logp >= floor_) chosen_.push_back(u);
+      if (warp_ || nodes_[static_cast<std::size_t>(u)].logp >= floor_) chosen_.push_back(u);
     const auto keep = std::min(chosen_.size(), static_cast<std::size_t>(opt_.max_nodes));
     std::partial_sort(chosen_.begin(), chosen_.begin() + static_cast<std::ptrdiff_t>(keep), chosen_.end(),
                       [&](int a, int b) { return before(a, b); });
@@ -378,14 +521,14 @@ class tree_drafter {
     }
   }
 
-  // The token of the node at ranks `p` (rank `topk`: the lookup's token at that depth).
-  [[nodiscard]] std::int32_t token_at(const std::vector<int>& p) const {
+  // The drafted node at ranks `p`, or -1 for the lookup's own node (rank `topk` on the way).
+  [[nodiscard]] int node_at(const std::vector<int>& p) const {
     int u = 0;
     for (std::size_t d = 0; d < p.size(); ++d) {
-      if (p[d] == opt_.topk) return continuation_[p.size() - 1];
+      if (p[d] == opt_.topk) return -1;
       u = nodes_[static_cast<std::size_t>(u)].first_child + p[d];
     }
-    return nodes_[static_cast<std::size_t>(u)].token;
+    return u;
   }
 
   void count_pass(int depth) {
@@ -405,6 +548,110 @@ class tree_drafter {
   std::vector<std::vector<int>> pass_paths_;
   std::vector<std::int32_t> pass_tokens_, ids_, continuation_;
   std::vector<std::int64_t> passes_by_depth_;
+  // Sampled trees only.
+  std::optional<sampling_warp> warp_;
+  std::uint64_t seed_ = 0, step_ = 0, draws_ = 0;  // the step's Philox key and draw counter
+  int drawn_ = 0;                                  // draws this step (each is a node)
+  std::vector<float> draw_rows_;                   // [max_nodes][vocab]: the row of each draw
+  std::vector<float> q_rows_;                      // [expanded][vocab]: the parents' warped rows
+  std::vector<double> r_, rest_;
+  std::vector<int> children_, slot_parent_;
+  std::vector<std::int32_t> slot_token_, warp_ids_;
+  std::vector<std::uint64_t> keys_;
+};
+
+//! Draft trees of sampled tokens, for `speculative_policy` at T > 0: a `tree_drafter` whose nodes'
+//! tokens are drawn from the drafter's warped distribution (`sampling_warp`, the target's warp the
+//! usual choice), with the distribution of every node (`node_distribution_drafts`, drafts.hpp).
+//!
+//! - **Sampling.** Each expanded node's children are drawn one at a time *without replacement*
+//!   from its warped row; node c's row (`draft_probs`) is the distribution c's token was drawn
+//!   from, its parent's row without its earlier siblings' tokens, renormalised. `speculative_policy`
+//!   then verifies the children in draw order against those rows, so a rejected sibling's mass
+//!   goes to the next sibling (recursive rejection sampling), and the output follows the target's
+//!   warped distribution exactly.
+//! - **Shape.** Each depth expands the `expand` nodes of highest joint probability under the
+//!   warped drafter; their children are drawn one at a time from the parent whose next draw carries
+//!   the most probability (its path's probability times the mass of its row not drawn yet), at most
+//!   `topk` per parent, until `max_nodes` nodes are drawn or no draw would reach `min_prob`. Every
+//!   drawn node is kept: the tree never drops a node for its value, which would bias the draws
+//!   that stay. `max_nodes` therefore bounds the draws, and `expand` × `topk` the nodes of a depth
+//!   (e.g. topk 2, expand 2 for a deep tree).
+//! - **Lookup.** An `ngram_lookup`'s continuation joins as in `tree_drafter`, its own nodes with a
+//!   point mass as their distribution.
+//! - **Randomness.** Philox(seed, step) at draw indices from 2^63 up (`sample_candidates`' range);
+//!   the decoders pass the request's seed and the step of the verification.
+//! - **T = 0.** The warp is one-hot: each node's only child is the drafter's argmax, a greedy chain.
+//!
+//! A step's tree is whole or nothing: the decoders take a plain step where a sampled tree does not
+//! fit the KV cache (its first nodes in node order would not be an unbiased set of draws).
+//!
+//! @code
+//! medusa::draft_model_branch<medusa_llama::engine> draft(draft_engine, target.vocab_size(), {});
+//! medusa::tree_sampler drafts(draft, {.max_nodes = 8, .max_depth = 5, .topk = 2, .expand = 2}, {.temperature = 0.7f});
+//! medusa::no_heads none;
+//! medusa::decoder dec(target, none, drafts, medusa::speculative_policy{{.temperature = 0.7f}});
+//! @endcode
+template <tree_draft_source Source>
+class tree_sampler {
+ public:
+  //! The drafter.
+  using source_type = Source;
+
+  //! Throws `invalid_input` for options out of range and `acceptance_error` (`bad_parameter`) for
+  //! a bad warp.
+  tree_sampler(Source source, draft_tree_options opt, sampling_warp warp, std::optional<ngram_lookup> lookup = std::nullopt)
+      : trees_(std::move(source), opt, warp, lookup) {}
+
+  //! Most nodes a step's tree can have (root included).
+  [[nodiscard]] int max_nodes() const noexcept { return trees_.max_nodes(); }
+  //! Deepest path a step's tree can have.
+  [[nodiscard]] int max_depth() const noexcept { return trees_.max_depth(); }
+  //! Heads read: none.
+  [[nodiscard]] static constexpr int heads_depth() noexcept { return 0; }
+  //! The options.
+  [[nodiscard]] const draft_tree_options& options() const noexcept { return trees_.options(); }
+  //! The warp the tokens are drawn with.
+  [[nodiscard]] const sampling_warp& warp() const noexcept { return *trees_.warp_; }
+  //! The drafter.
+  [[nodiscard]] Source& source() noexcept { return trees_.source(); }
+  [[nodiscard]] const Source& source() const noexcept { return trees_.source(); }
+
+  //! This step's tree for request `request` (as `tree_drafter::draft`), its tokens drawn with
+  //! Philox(`seed`, `step`) and their rows kept for `draft_probs(request)`.
+  std::optional<tree> draft(int request, std::span<const std::int32_t> history, std::span<const float> /*head_logits*/,
+                            int vocab, std::span<std::int32_t> node_tokens, std::uint64_t seed, std::uint64_t step) {
+    trees_.seed_ = seed;
+    trees_.step_ = step;
+    trees_.draws_ = 0;
+    std::vector<float>& rows = probs_[request];
+    rows.resize(static_cast<std::size_t>(max_nodes()) * static_cast<std::size_t>(std::max(vocab, 0)));
+    return trees_.draft_tree(request, history, vocab, node_tokens, rows.data());
+  }
+
+  //! `[max_nodes][vocab]` draft distributions of `request`'s last tree, in its node order: row u is
+  //! the distribution node u's token was drawn from (row 0, the root's, unused). Empty before its
+  //! first draft.
+  [[nodiscard]] std::span<const float> draft_probs(int request) const {
+    const auto it = probs_.find(request);
+    return it == probs_.end() ? std::span<const float>{} : std::span<const float>(it->second);
+  }
+
+  //! Whether the decoders should pass the target's features (the source reads them).
+  [[nodiscard]] bool observes_features() const { return trees_.observes_features(); }
+  //! The target's features, for the source.
+  void observe(int request, int position, std::span<const float> rows) { trees_.observe(request, position, rows); }
+  //! Request `request` left: its rows are dropped and the source hears of it.
+  void release(int request) {
+    probs_.erase(request);
+    trees_.release(request);
+  }
+  //! Drafter passes per depth so far (as `tree_drafter::passes_by_depth`).
+  [[nodiscard]] std::span<const std::int64_t> passes_by_depth() const noexcept { return trees_.passes_by_depth(); }
+
+ private:
+  tree_drafter<Source> trees_;
+  std::map<int, std::vector<float>> probs_;  // per request: its last tree's rows
 };
 
 MEDUSA_NAMESPACE_END

@@ -5,8 +5,9 @@
 # --draft-model (every chain accepted, or a tree's greedy path when the tree holds the whole
 # expansion: 4 tokens a step), one request and three prompts two at a time (--prompts-file --batch);
 # every request's Medusa tokens equal plain greedy decoding, and the draft ran. Then --policy
-# speculative (chains sampled from the draft's distribution): at T = 0 it is greedy decoding, at
-# T = 0.8 it samples every token asked for, with the target itself as draft accepting all.
+# speculative (chains, or trees with --draft-nodes, sampled from the draft's distribution): at T = 0
+# it is greedy decoding, at T = 0.8 it samples every token asked for, with the target itself as
+# draft accepting its first draws.
 # Usage: medusa_run_draft.sh TOOL SHARED_DIR SCRATCH_DIR
 set -u
 tool=$1 shared=$2 scratch=$3
@@ -38,12 +39,17 @@ sys.exit(0 if ok else 1)')
   if [ "$rc" -ne 0 ] || [ "$vrc" -ne 0 ]; then status=1; fi
 done
 
-# Speculative sampling with the draft's own distribution.
+# Speculative sampling with the draft's own distribution: chains, and trees of sampled tokens
+# (every node's first draw is accepted when the target is its own draft; the lookup's nodes too).
+for sampled in "" "--draft-nodes 6 --draft-topk 2 --lookup 4"; do
 for temp in 0 0.8; do
+  min_per_step=3.5
+  [ -n "$sampled" ] && min_per_step=2
+  # shellcheck disable=SC2086  # $sampled holds several words
   out=$("$tool" --model "$pycode" --heads random:4 --draft-model "$pycode" --draft-alone --draft-tokens 3 --policy speculative \
-        --temperature $temp --mode both --prompt $'import os\n' --max-new-tokens 40 --threads 1 --json 2>/dev/null)
+        $sampled --temperature $temp --mode both --prompt $'import os\n' --max-new-tokens 40 --threads 1 --json 2>/dev/null)
   rc=$?
-  verdict=$(printf '%s\n' "$out" | TEMP=$temp python3 -c '
+  verdict=$(printf '%s\n' "$out" | TEMP=$temp MIN_PER_STEP=$min_per_step python3 -c '
 import json, os, sys
 rows = [json.loads(l) for l in sys.stdin if l.startswith("{")]
 plain = [r for r in rows if r["mode"] == "vanilla"]
@@ -52,12 +58,14 @@ if len(plain) != 1 or len(med) != 1: print("missing runs"); sys.exit(1)
 d = med[0]["tree"]["drafts"]
 greedy = float(os.environ["TEMP"]) == 0
 ok = (len(med[0]["tokens"]) == 40 and d.get("sampled") is True and d["draft_tokens_run"] > 0
-      and (med[0]["tokens"] == plain[0]["tokens"] if greedy else True) and med[0]["mean_accepted"] >= 3.5)
+      and (med[0]["tokens"] == plain[0]["tokens"] if greedy else True)
+      and med[0]["mean_accepted"] >= float(os.environ["MIN_PER_STEP"]))
 print("%s: %d tokens, %.2f per step" % ("ok" if ok else "FAIL", len(med[0]["tokens"]), med[0]["mean_accepted"]))
 sys.exit(0 if ok else 1)')
   vrc=$?
-  echo "[--policy speculative --temperature $temp, the target as draft] exit $rc: $verdict"
+  echo "[--policy speculative $sampled --temperature $temp, the target as draft] exit $rc: $verdict"
   if [ "$rc" -ne 0 ] || [ "$vrc" -ne 0 ]; then status=1; fi
+done
 done
 
 # The serving engine: each request its own draft cache, requests joining as others finish.
@@ -79,16 +87,18 @@ assert s["vanilla"]["tokens"] == s["medusa"]["tokens"] > 0, s
 assert s["tree"]["drafts"]["draft_tokens_run"] > 0, s
 '; then status=1; fi
 done
-# Sampled chains on the serving engine: every request gets all its tokens, the target as draft
-# accepting every draft.
-summary=$("$tool" --model "$pycode" --heads random:4 --draft-model "$pycode" --draft-alone --draft-tokens 3 --policy speculative \
-          --temperature 0.8 --prompts-file "$scratch/draft_prompts.txt" --batch 2 --mode both --max-new-tokens 32 --threads 1 \
-          --json 2>/dev/null | tail -n 1)
-echo "[batch --policy speculative] $summary"
-if ! printf '%s' "$summary" | python3 -c '
+# Sampled chains and trees on the serving engine: every request gets all its tokens.
+for sampled in "" "--draft-nodes 6 --draft-topk 2"; do
+  # shellcheck disable=SC2086  # $sampled holds several words
+  summary=$("$tool" --model "$pycode" --heads random:4 --draft-model "$pycode" --draft-alone --draft-tokens 3 --policy speculative \
+            $sampled --temperature 0.8 --prompts-file "$scratch/draft_prompts.txt" --batch 2 --mode both --max-new-tokens 32 \
+            --threads 1 --json 2>/dev/null | tail -n 1)
+  echo "[batch --policy speculative $sampled] $summary"
+  if ! printf '%s' "$summary" | python3 -c '
 import json, sys
 s = json.load(sys.stdin)
 assert s["requests"] == 3 and s["vanilla"]["tokens"] == s["medusa"]["tokens"] == 96, s
 assert s["tree"]["drafts"]["draft_tokens_run"] > 0, s
 '; then status=1; fi
+done
 exit $status

@@ -71,8 +71,8 @@ PY
                      args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-alone --draft-nodes 300 --prompt x) ;;
   draft_topk)        want=2; pat='--draft-topk must be in \[1, 64\], got 0'
                      args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-alone --draft-nodes 8 --draft-topk 0 --prompt x) ;;
-  draft_nodes_sampled) want=2; pat='--policy speculative samples a drafter.s chains: it takes no --draft-nodes'
-                     args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-alone --draft-nodes 8 --policy speculative --prompt x) ;;
+  speculative_lookup) want=2; pat='takes --lookup only with --draft-nodes'
+                     args=(--model "$pycode" --heads random:4 --self-draft-layers 2 --draft-alone --lookup 4 --policy speculative --prompt x) ;;
   *) echo "unknown case $case"; exit 1 ;;
 esac
 

@@ -24,6 +24,7 @@ inline std::vector<float> last_logits(tiny::tiny_model& m, const std::vector<std
 
 struct result {
   stats::chi2_result first, first_two;
+  stats::chi2_result second_third;  // `first_three` only: the first tree step's two tokens
   double per_step = 0;
 };
 
@@ -61,6 +62,58 @@ result first_two(tiny::tiny_model& target, const std::vector<std::int32_t>& prom
   result res;
   res.first = stats::chi2_test(q1, o1, trials);
   res.first_two = stats::chi2_test(p12, o12, trials);
+  res.per_step = tokens / steps;
+  return res;
+}
+
+// As `first_two`, and also the second and third tokens jointly (the first tree step's first two
+// emissions when its first draft is accepted) against the exact warped target, summed over the
+// first token.
+template <class Drafts>
+result first_three(tiny::tiny_model& target, const std::vector<std::int32_t>& prompt, const Drafts& drafts,
+                   const medusa::sampling_warp& warp, int trials) {
+  constexpr int V = tiny::tiny_model::vocab;
+  auto warped = [&](const std::vector<std::int32_t>& ctx) {
+    return stats::reference_warp(last_logits(target, ctx).data(), V, warp.temperature, warp.top_k, warp.top_p);
+  };
+  const auto q1 = warped(prompt);
+  std::vector<double> p12(V * V), p23(V * V);
+  for (int a = 0; a < V; ++a) {
+    const double pa = q1[static_cast<std::size_t>(a)];
+    if (pa == 0.0) continue;
+    auto ctx = prompt;
+    ctx.push_back(a);
+    const auto q2 = warped(ctx);
+    for (int b = 0; b < V; ++b) {
+      const double pab = pa * q2[static_cast<std::size_t>(b)];
+      p12[static_cast<std::size_t>(a * V + b)] = pab;
+      if (pab == 0.0) continue;
+      auto ctx2 = ctx;
+      ctx2.push_back(b);
+      const auto q3 = warped(ctx2);
+      for (int c = 0; c < V; ++c) p23[static_cast<std::size_t>(b * V + c)] += pab * q3[static_cast<std::size_t>(c)];
+    }
+  }
+  medusa::no_heads heads;
+  medusa::decoder dec(target, heads, drafts, medusa::speculative_policy{warp});
+  std::vector<long> o1(V), o12(V * V), o23(V * V);
+  double steps = 0, tokens = 0;
+  medusa::decode_options opt;
+  opt.max_new_tokens = 3;
+  for (int i = 0; i < trials; ++i) {
+    opt.seed = static_cast<std::uint64_t>(i);
+    const auto r = dec.generate(prompt, opt);
+    REQUIRE(r.tokens.size() >= 3);
+    ++o1[static_cast<std::size_t>(r.tokens[0])];
+    ++o12[static_cast<std::size_t>(r.tokens[0] * V + r.tokens[1])];
+    ++o23[static_cast<std::size_t>(r.tokens[1] * V + r.tokens[2])];
+    steps += r.stats.steps;
+    tokens += r.stats.new_tokens;
+  }
+  result res;
+  res.first = stats::chi2_test(q1, o1, trials);
+  res.first_two = stats::chi2_test(p12, o12, trials);
+  res.second_third = stats::chi2_test(p23, o23, trials);
   res.per_step = tokens / steps;
   return res;
 }

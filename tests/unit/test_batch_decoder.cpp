@@ -7,6 +7,7 @@
 
 #include <medusa/decoder.hpp>
 #include <medusa/draft_model.hpp>
+#include <medusa/draft_tree.hpp>
 #include <medusa/drafts.hpp>
 #include <medusa/tree.hpp>
 
@@ -421,6 +422,49 @@ TEST_CASE("a KV pool that grants part of a reserve shrinks tree steps to what fi
     INFO(u.error_message());
     CHECK(u.reason == medusa::stop_reason::max_tokens);
     CHECK(partial_steps(eng) >= 1);
+  }
+  SUBCASE("sampled trees that do not fit take a plain step: their first nodes would select draws by value") {
+    // Records the size of every tree the sampler drafts.
+    struct recording {
+      medusa::tree_sampler<medusa::draft_model_branch<tiny_model>> inner;
+      std::vector<int>* sizes;
+      int max_nodes() const { return inner.max_nodes(); }
+      int max_depth() const { return inner.max_depth(); }
+      int heads_depth() const { return 0; }
+      std::optional<medusa::tree> draft(int request, std::span<const std::int32_t> history, std::span<const float> hl, int vocab,
+                                        std::span<std::int32_t> tokens, std::uint64_t seed, std::uint64_t step) {
+        auto t = inner.draft(request, history, hl, vocab, tokens, seed, step);
+        if (t) sizes->push_back(t->num_nodes());
+        return t;
+      }
+      std::span<const float> draft_probs(int request) const { return inner.draft_probs(request); }
+    };
+    tiny_model draft_w(512, 11);
+    std::vector<int> sizes;
+    const medusa::sampling_warp warp{.temperature = 1.0f};
+    const recording drafts{{medusa::draft_model_branch<tiny_model>(draft_w, tiny_model::vocab), {.max_nodes = 8, .max_depth = 4, .topk = 2, .expand = 2}, warp},
+                           &sizes};
+    const int L0 = static_cast<int>(prompts[0].size());
+    granting_engine eng(weights, medusa::kv_pages_for(L0 + opt.max_new_tokens + 2, paged_engine::page_size), 256, 1);
+    medusa::no_heads none;
+    medusa::batch_decoder dec(eng, none, drafts, medusa::speculative_policy{warp}, 1);
+    dec.join(0, prompts[0], opt);
+    const medusa::request_update u = drain(dec).at(0);
+    INFO(u.error_message());
+    CHECK(u.reason == medusa::stop_reason::max_tokens);
+    CHECK(static_cast<int>(u.result.tokens.size()) == opt.max_new_tokens);
+    // Every tree pass ran a whole drafted tree, in order; some drafted trees ran as plain steps.
+    std::vector<int> tree_passes;
+    for (const int n : eng.rows_seen)
+      if (n > 1) tree_passes.push_back(n);
+    std::size_t at = 0;
+    for (const int n : tree_passes) {
+      while (at < sizes.size() && sizes[at] != n) ++at;
+      CHECK(at < sizes.size());
+      ++at;
+    }
+    CHECK(tree_passes.size() < sizes.size());
+    CHECK(std::count_if(sizes.begin(), sizes.end(), [](int n) { return n > 2; }) >= 1);  // trees, not only chains
   }
   SUBCASE("two requests share a pool too small for both trees: each gets its tokens alone") {
     int need = 0;

@@ -161,6 +161,18 @@ TEST_CASE("docs/tree.md and docs/decoder.md: the best tree for the machine, then
   CHECK(dec_trees.generate(prompt, opt).tokens == plain.tokens);
   draft.release(0);
 
+  // --- docs/decoder.md, "Sampled draft trees" -------------------------------------------------
+  {
+    medusa::tree_sampler trees(draft, {.max_nodes = 8, .max_depth = 5, .topk = 2, .expand = 2},
+                               medusa::sampling_warp{.temperature = 0.7f});
+    medusa::decoder dec(model, none, trees, medusa::speculative_policy{{.temperature = 0.7f}});
+    opt.seed = 5;
+    const auto sampled_trees = dec.generate(prompt, opt);
+    CHECK(sampled_trees.tokens.size() == plain.tokens.size());
+    opt.seed = 0;
+    draft.release(0);
+  }
+
   // --- docs/decoder.md, "Sampling a draft model's chains" -------------------------------------
   medusa::draft_model_sampler<my_model> drafts(small, model.vocab_size(),
                                                {.max_tokens = 3, .warp = {.temperature = 0.7f}});

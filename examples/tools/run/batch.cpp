@@ -112,14 +112,23 @@ int run_batch(const run_args& a, medusa_llama::loaded_model& lm, const std::vect
   if (a.mode != run_mode::vanilla) {
     auto heads = pack_heads(eng, head_w, a, tree->depth());
     if constexpr (std::is_same_v<Policy, medusa::speculative_policy>) {
-      // Each request's chains sampled from the drafter's distribution, verified against it.
+      // Each request's chains (or trees) sampled from the drafter's distribution, verified against it.
       const medusa::draft_sampler_options so{.max_tokens = a.draft_tokens, .warp = policy};
       auto sampled = [&](const auto& sampler) {
         medusa::batch_decoder dec(eng, heads, sampler, policy, *a.batch);
         reports.push_back(serve_all(dec, eng, prompts, dopt, bos, "medusa"));
         draft_cost = draft_work(sampler);
       };
-      if (eagle_engine)
+      if (a.draft_nodes > 0) {  // trees of sampled tokens; the branch keeps the counts
+        std::optional<medusa::draft_model_branch<medusa_llama::batch_engine>> draft;
+        std::optional<medusa::feature_draft_branch<medusa_llama::eagle_engine>> eagle;
+        if (draft_engine) draft.emplace(*draft_engine, eng.vocab_size(), medusa::draft_model_options{.max_tokens = a.draft_tokens});
+        else eagle.emplace(*eagle_engine, eng.vocab_size(), eng.hidden_size(), medusa::feature_draft_options{.max_tokens = a.draft_tokens});
+        medusa::batch_decoder dec(eng, heads, make_tree_sampler(a, draft ? draft_source::of(*draft) : draft_source::of(*eagle), policy),
+                                  policy, *a.batch);
+        reports.push_back(serve_all(dec, eng, prompts, dopt, bos, "medusa"));
+        draft_cost = draft ? draft_work(*draft) : draft_work(*eagle);
+      } else if (eagle_engine)
         sampled(medusa::feature_draft_sampler<medusa_llama::eagle_engine>(*eagle_engine, eng.vocab_size(), eng.hidden_size(), so));
       else sampled(medusa::draft_model_sampler<medusa_llama::batch_engine>(*draft_engine, eng.vocab_size(), so));
     } else {

@@ -72,27 +72,41 @@ auto_inputs prepare_auto(const run_args& a) {
   return in;
 }
 
+namespace {
+
+// The prompt lookup (--lookup), or nothing.
+std::optional<medusa::ngram_lookup> lookup_of(const run_args& a) {
+  if (a.lookup == 0) return std::nullopt;
+  return medusa::ngram_lookup{.min_ngram = a.lookup_min, .max_ngram = a.lookup_max, .max_tokens = a.lookup};
+}
+
+// The shape of a drafter's own trees (--draft-nodes, --draft-tokens as their depth).
+medusa::draft_tree_options draft_tree_options_of(const run_args& a) {
+  return {.max_nodes = a.draft_nodes, .max_depth = a.draft_tokens, .topk = a.draft_topk, .expand = a.draft_expanded(),
+          .min_prob = a.draft_min_prob};
+}
+
+}  // namespace
+
 std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads, draft_source draft) {
   if (a.lookup == 0 && !a.dynamic && !draft.find) return std::nullopt;
-  if (a.draft_nodes > 0) {  // checked by the caller: a drafter alone
-    std::optional<medusa::ngram_lookup> lookup;
-    if (a.lookup > 0) lookup = medusa::ngram_lookup{.min_ngram = a.lookup_min, .max_ngram = a.lookup_max, .max_tokens = a.lookup};
-    return run_drafter(medusa::tree_drafter<run_tree_source>(
-        run_tree_source{{std::move(draft)}},
-        {.max_nodes = a.draft_nodes, .max_depth = a.draft_tokens, .topk = a.draft_topk, .expand = a.draft_expanded(),
-         .min_prob = a.draft_min_prob}, lookup));
-  }
+  if (a.draft_nodes > 0)  // checked by the caller: a drafter alone
+    return run_drafter(medusa::tree_drafter<run_tree_source>(run_tree_source{{std::move(draft)}}, draft_tree_options_of(a), lookup_of(a)));
   medusa::basic_step_drafter_options<run_branch> o;
   if (a.dynamic) o.dynamic_nodes = t.num_nodes();
   else if (!a.draft_alone) o.paths = t.sorted_paths();
   o.topk = t.topk();
   if (a.lookup > 0 || draft.find) {
     run_branch b;
-    if (a.lookup > 0) b.lookup = medusa::ngram_lookup{.min_ngram = a.lookup_min, .max_ngram = a.lookup_max, .max_tokens = a.lookup};
+    b.lookup = lookup_of(a);
     b.draft = std::move(draft);
     o.lookup = std::move(b);
   }
   return run_drafter(medusa::basic_step_drafter<run_branch>(std::move(o), heads));
+}
+
+medusa::tree_sampler<run_tree_source> make_tree_sampler(const run_args& a, draft_source draft, const medusa::sampling_warp& warp) {
+  return medusa::tree_sampler<run_tree_source>(run_tree_source{{std::move(draft)}}, draft_tree_options_of(a), warp, lookup_of(a));
 }
 
 std::optional<medusa_llama::model> load_draft(const run_args& a, const medusa_llama::loaded_model& lm) {

@@ -258,6 +258,10 @@ class run_drafter {
 // --draft-alone, without it), a drafter's own trees (--draft-nodes), or nothing.
 std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads, draft_source draft = {});
 
+// A drafter's sampled trees (--policy speculative --draft-nodes), drawn with `warp`, with the
+// prompt lookup when --lookup is given.
+medusa::tree_sampler<run_tree_source> make_tree_sampler(const run_args& a, draft_source draft, const medusa::sampling_warp& warp);
+
 // The draft model's weights (--self-draft-layers: the target's first layers; --draft-model: the
 // file, read with the target's tokenizer so that another vocabulary fails to load), or nothing.
 std::optional<medusa_llama::model> load_draft(const run_args& a, const medusa_llama::loaded_model& lm);

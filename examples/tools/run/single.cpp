@@ -111,11 +111,17 @@ int run_single(const run_args& a, medusa_llama::loaded_model& lm, const std::vec
         auto sampled = [&](const auto& sampler) {
           medusa::decoder dec(model, *heads, sampler, policy);
           r.result = dec.generate(prompt, dopt, on_token);
-          choice.info["drafts"].update(draft_work(sampler, r.result.stats.seconds.total));
+          const double run = r.result.stats.seconds.total;
+          if constexpr (requires { sampler.passes(); }) choice.info["drafts"].update(draft_work(sampler, run));
+          else choice.info["drafts"].update(draft ? draft_work(*draft, run) : draft_work(*eagle, run));  // trees: the branch's counts
         };
-        if (eagle_engine)
+        if (a.draft_nodes > 0)  // trees of sampled tokens
+          sampled(make_tree_sampler(a, draft ? draft_source::of(*draft) : draft_source::of(*eagle), policy));
+        else if (eagle_engine)
           sampled(medusa::feature_draft_sampler<medusa_llama::eagle_engine>(*eagle_engine, model.vocab_size(), model.hidden_size(), so));
         else sampled(medusa::draft_model_sampler<medusa_llama::engine>(*draft_engine, model.vocab_size(), so));
+        if (draft) draft->release(0);
+        if (eagle) eagle->release(0);
         choice.info["drafts"]["sampled"] = true;
         r.tree = choice.info;
       } else {

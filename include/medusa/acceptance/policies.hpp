@@ -183,11 +183,13 @@ struct rejection_policy : sampling_warp {
 };
 
 //! Speculative sampling with draft distributions: child c's token was drawn from the request's
-//! draft row c (`verify_request::draft_probs`), independently of its siblings. Accept with
-//! probability min(1, r(x)/q_c(x)) where r is the normalised residual; on rejection
-//! r ← norm(max(r − q_c, 0)). A chain tree with a draft model's distributions is classic
-//! speculative decoding; a tree whose tokens are sampled from the heads' softmax verifies
-//! losslessly too.
+//! draft row c (`verify_request::draft_probs`), given every draw before it. The children are tried
+//! in node order: accept with probability min(1, r(x)/q_c(x)) where r is the normalised residual;
+//! on rejection r ← norm(max(r − q_c, 0)). Siblings may be drawn independently (each row their
+//! parent's distribution) or without replacement (row i = the parent's distribution without the
+//! earlier siblings' tokens, renormalised: `tree_sampler`). A chain tree with a draft model's
+//! distributions is classic speculative decoding; a tree whose tokens are sampled from the heads'
+//! softmax verifies losslessly too.
 struct speculative_policy : sampling_warp {
   static constexpr std::string_view name = "speculative";  //!< name in `dispatch_policy` and the tools
   static constexpr bool draft_distributions = true;

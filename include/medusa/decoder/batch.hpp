@@ -767,6 +767,8 @@ class batch_decoder {
       }
       int fit = count;
       if (ok) ok = guarded(s, [&] { fit = prepare_append(s, L, count); });
+      if constexpr (node_drafts)  // a sampled tree's first nodes are not an unbiased part of its draws
+        if (ok && fit < count && s.step_tree && s.step_tree->num_leaves() > 1) fit = 1;  // (a chain's are)
       if (ok && fit < count && fit > 1)  // a short KV pool: the first `fit` nodes of the tree
         ok = guarded(s, [&] { s.step_tree = with_step_tree(s, [&](const auto& t) { return detail::first_nodes(t, fit); }); });
       if (!ok) {
