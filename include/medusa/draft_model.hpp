@@ -165,6 +165,75 @@ class draft_model_branch {
     return std::span<const float>(s.tree_logits).subspan(static_cast<std::size_t>(R - pass.outputs) * V);
   }
 
+  //! `tree_draft_batch_source` (a draft that serves many requests): every request's catch-up in
+  //! one ragged pass; `rows[i]` = what `draft_root` gives for call i alone (empty where its history
+  //! fills the draft's context). The requests must differ. Throws as `find` does.
+  void draft_roots(std::span<const draft_root_call> calls, std::span<std::span<const float>> rows)
+    requires batched
+  {
+    state& s = *state_;
+    batch_.clear();
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      rows[i] = {};
+      const int request = calls[i].request;
+      const auto history = calls[i].history;
+      const int n = static_cast<int>(history.size());
+      check_history(history);
+      if (n == 0 || n > context(request)) continue;
+      // The cache is right up to the common prefix; the root itself is always run (its logits).
+      std::vector<std::int32_t>& cached = s.cached[request];
+      int keep = 0;
+      const int common = std::min(static_cast<int>(cached.size()), n - 1);
+      while (keep < common && cached[static_cast<std::size_t>(keep)] == history[static_cast<std::size_t>(keep)]) ++keep;
+      cached.assign(history.begin(), history.begin() + keep);
+      if (!reserve(request, n))
+        throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " + std::to_string(n) + " slots");
+      batch_.add(request, history.subspan(static_cast<std::size_t>(keep)), keep, i);
+    }
+    if (batch_.empty()) return;
+    run_batch(/*last_row_only=*/true);
+    const auto V = static_cast<std::size_t>(s.model->vocab_size());
+    for (std::size_t b = 0; b < batch_.calls.size(); ++b) {
+      const std::size_t i = batch_.calls[b];
+      const auto history = calls[i].history;
+      std::vector<std::int32_t>& cached = s.cached[calls[i].request];
+      cached.insert(cached.end(), history.begin() + static_cast<std::ptrdiff_t>(cached.size()), history.end());
+      rows[i] = std::span<const float>(s.tree_logits).subspan(b * V, V);
+    }
+  }
+
+  //! `tree_draft_batch_source`: every request's tree pass in one ragged pass, each with its own
+  //! mask (or causal past a chain's cached rows); `rows[i]` = what `draft_pass` gives for call i
+  //! alone (empty where it does not fit the draft's context or pool). The requests must differ.
+  void draft_passes(std::span<const draft_pass_call> calls, std::span<std::span<const float>> rows)
+    requires batched
+  {
+    state& s = *state_;
+    batch_.clear();
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      rows[i] = {};
+      const draft_tree_pass& pass = *calls[i].pass;
+      const int request = calls[i].request;
+      const int n = static_cast<int>(calls[i].history.size());
+      const int T = pass.shape.num_nodes();
+      if (n == 0 || n - 1 + T > context(request) || !reserve(request, n - 1 + T)) continue;
+      const int c = pass.cached;
+      batch_.add(request, pass.tokens.subspan(static_cast<std::size_t>(c), static_cast<std::size_t>(T - c)), n - 1 + c, i,
+                 c == 0 ? pass.shape.mask_view() : tree_mask_view{});
+      // Tree rows sit at the root's position plus their depth.
+      for (int r = 0; r < T - c; ++r) batch_.positions[batch_.positions.size() - static_cast<std::size_t>(T - c - r)] = n - 1 + pass.shape.node_depth(c + r);
+    }
+    if (batch_.empty()) return;
+    run_batch(/*last_row_only=*/false);
+    const auto V = static_cast<std::size_t>(s.model->vocab_size());
+    for (std::size_t b = 0; b < batch_.calls.size(); ++b) {
+      const std::size_t i = batch_.calls[b];
+      const auto end = static_cast<std::size_t>(batch_.indptr[b + 1]);
+      const auto outputs = static_cast<std::size_t>(calls[i].pass->outputs);
+      rows[i] = std::span<const float>(s.tree_logits).subspan((end - outputs) * V, outputs * V);
+    }
+  }
+
   //! The request left: its draft cache holds nothing of use any more (a batch draft that frees
   //! pages gets `release(request, 0)`).
   void release(int request) {
@@ -210,6 +279,67 @@ class draft_model_branch {
     return as_batch([&](auto& m) { return detail::request_context(m, request); });
   }
 
+  // One ragged pass of several requests' rows (`draft_roots`, `draft_passes`).
+  struct batch_rows {
+    std::vector<int> requests, indptr{0}, lengths;
+    std::vector<std::int32_t> tokens, positions;
+    std::vector<tree_mask_view> masks;
+    std::vector<std::size_t> calls;  // per request of the pass: its call
+
+    void clear() {
+      requests.clear();
+      indptr.assign(1, 0);
+      lengths.clear();
+      tokens.clear();
+      positions.clear();
+      masks.clear();
+      calls.clear();
+    }
+    [[nodiscard]] bool empty() const noexcept { return requests.empty(); }
+    // `rows` of `request` at slots from `length` on (positions consecutive), for call `call`.
+    void add(int request, std::span<const std::int32_t> rows, int length, std::size_t call, tree_mask_view mask = {}) {
+      requests.push_back(request);
+      lengths.push_back(length);
+      tokens.insert(tokens.end(), rows.begin(), rows.end());
+      for (int i = 0; i < static_cast<int>(rows.size()); ++i) positions.push_back(length + i);
+      indptr.push_back(static_cast<int>(tokens.size()));
+      masks.push_back(mask);
+      calls.push_back(call);
+    }
+  };
+
+  // Runs `batch_` as one forward pass; its logits go to `state_->tree_logits` (`[rows][vocab]`, or
+  // `[requests][vocab]` for the last rows only).
+  void run_batch(bool last_row_only) {
+    state& s = *state_;
+    const std::size_t out = last_row_only ? batch_.requests.size() : batch_.tokens.size();
+    s.tree_logits.resize(out * static_cast<std::size_t>(s.model->vocab_size()));
+    s.tree_hidden.resize(out * static_cast<std::size_t>(s.model->hidden_size()));
+    timed([&] {
+      ragged_batch b;
+      b.requests = batch_.requests;
+      b.qo_indptr = batch_.indptr;
+      b.tokens = batch_.tokens;
+      b.positions = batch_.positions;
+      b.cache_lengths = batch_.lengths;
+      if (std::any_of(batch_.masks.begin(), batch_.masks.end(), [](const tree_mask_view& m) { return !m.empty(); }))
+        b.request_masks = batch_.masks;
+      b.last_row_only = last_row_only;
+      b.logits = s.tree_logits;
+      b.hidden = s.tree_hidden;
+      s.model->forward(b);
+    }, static_cast<int>(batch_.tokens.size()));
+  }
+
+  // Throws `invalid_input` for a history token outside the draft's vocabulary.
+  void check_history(std::span<const std::int32_t> history) const {
+    const int vocab = static_cast<int>(state_->model->vocab_size());
+    for (const std::int32_t t : history)
+      if (t < 0 || t >= vocab)
+        throw invalid_input("draft model: history token " + std::to_string(t) + " is outside its vocabulary of " +
+                            std::to_string(vocab));
+  }
+
   // Runs the history past what the draft's cache holds (the root always, for its logits, left in
   // `state_->logits`). False when the history does not fit the draft's context.
   bool catch_up(int request, std::span<const std::int32_t> history) {
@@ -217,11 +347,7 @@ class draft_model_branch {
     if (!batched && request != 0)
       throw invalid_input("draft model: a single-request draft serves request 0, not request " + std::to_string(request));
     const int n = static_cast<int>(history.size());
-    const int vocab = static_cast<int>(s.model->vocab_size());
-    for (const std::int32_t t : history)
-      if (t < 0 || t >= vocab)
-        throw invalid_input("draft model: history token " + std::to_string(t) + " is outside its vocabulary of " +
-                            std::to_string(vocab));
+    check_history(history);
     if (n > context(request)) return false;
     // The cache is right up to the common prefix; the root itself is always run (its logits).
     std::vector<std::int32_t>& cached = s.cached[request];
@@ -275,6 +401,7 @@ class draft_model_branch {
   }
 
   std::shared_ptr<state> state_;
+  batch_rows batch_;  // scratch of a batched pass
 };
 
 MEDUSA_NAMESPACE_END

@@ -121,12 +121,40 @@ concept tree_draft_source = std::copy_constructible<S> &&
       { s.draft_pass(request, history, pass) } -> std::convertible_to<std::span<const float>>;
     };
 
+//! One request's part of a batched `draft_roots` call (`tree_draft_batch_source`).
+struct draft_root_call {
+  int request = 0;
+  std::span<const std::int32_t> history;
+};
+
+//! One request's part of a batched `draft_passes` call (`tree_draft_batch_source`).
+struct draft_pass_call {
+  int request = 0;
+  std::span<const std::int32_t> history;
+  const draft_tree_pass* pass = nullptr;
+};
+
+//! A `tree_draft_source` that runs many requests' rows as one ragged pass (`draft_model_branch`
+//! over a `batch_decoder_model`): `draft_roots(calls, rows)` sets `rows[i]` to what
+//! `draft_root(calls[i].request, calls[i].history)` returns, `draft_passes(calls, rows)` to what
+//! `draft_pass(...)` returns, each request's rows as if run alone. The spans stay valid until the
+//! source's next call. `tree_drafter::draft_batch` then grows every request's tree with one
+//! drafter pass per depth.
+template <class S>
+concept tree_draft_batch_source =
+    tree_draft_source<S> && requires(S& s, std::span<const draft_root_call> roots, std::span<const draft_pass_call> passes,
+                                     std::span<std::span<const float>> rows) {
+      s.draft_roots(roots, rows);
+      s.draft_passes(passes, rows);
+    };
+
 template <tree_draft_source Source>
 class tree_sampler;
 
 //! A per-step drafter (`step_drafts`, drafts.hpp) whose trees a model-running drafter grows (see
-//! the file comment). Not thread-safe (scratch buffers); copies share the source's state when the
-//! source's copies do.
+//! the file comment). `draft_batch` grows several requests' trees together, one drafter pass per
+//! depth for all of them when the source is a `tree_draft_batch_source`. Not thread-safe (scratch
+//! buffers); copies share the source's state when the source's copies do.
 template <tree_draft_source Source>
 class tree_drafter {
  public:
@@ -162,9 +190,11 @@ class tree_drafter {
   //! the nodes' tokens to `node_tokens` (at least `max_nodes()` entries). Returns nothing when
   //! nothing is drafted (a plain step). Throws `acceptance_error` for a non-finite drafter logit
   //! row or a vocabulary other than `vocab`, and what the source throws.
-  std::optional<tree> draft(int request, std::span<const std::int32_t> history, std::span<const float> /*head_logits*/,
+  std::optional<tree> draft(int request, std::span<const std::int32_t> history, std::span<const float> head_logits,
                             int vocab, std::span<std::int32_t> node_tokens) {
-    return draft_tree(request, history, vocab, node_tokens, nullptr);
+    step_draft_call call{request, history, head_logits, node_tokens, 0, 0, std::nullopt};
+    draft_batch(std::span<step_draft_call>(&call, 1), vocab);
+    return std::move(call.result);
   }
 
   //! The same for request 0 (one request alone).
@@ -172,6 +202,12 @@ class tree_drafter {
                             std::span<std::int32_t> node_tokens) {
     return draft(0, history, head_logits, vocab, node_tokens);
   }
+
+  //! Every request's tree of a step (`batch_step_drafts`): the same trees as `draft` for each
+  //! alone, grown depth by depth together, with one drafter pass per depth for all the requests
+  //! still growing when the source is a `tree_draft_batch_source` (else one per request). The
+  //! requests must differ. Throws as `draft`.
+  void draft_batch(std::span<step_draft_call> calls, int vocab) { grow_all(calls, vocab, {}); }
 
   //! Whether the decoders should pass the target's features (the source reads them).
   [[nodiscard]] bool observes_features() const {
@@ -190,8 +226,8 @@ class tree_drafter {
     if constexpr (requires(Source& s) { s.release(request); }) source_.release(request);
   }
 
-  //! Drafter passes per depth so far, summed over steps (entry d: passes that expanded depth d + 1's
-  //! nodes; entry 0 counts the root's), for how deep trees grow.
+  //! Drafter passes per depth so far, summed over steps and requests (entry d: passes that
+  //! expanded depth d + 1's nodes; entry 0 counts the root's), for how deep trees grow.
   [[nodiscard]] std::span<const std::int64_t> passes_by_depth() const noexcept { return passes_by_depth_; }
 
  private:
@@ -202,53 +238,6 @@ class tree_drafter {
       : tree_drafter(std::move(source), opt, lookup) {
     warp.validate();
     warp_ = warp;
-    const auto slots = static_cast<std::size_t>(opt_.max_nodes);
-    slot_parent_.resize(slots);
-    slot_token_.resize(slots);
-  }
-
-  // The step's tree (see `draft`). Sampled (`warp_`): the draws come from Philox(seed_, step_), and
-  // `rows` (`[max_nodes()][vocab]`) receives each node's draft distribution.
-  std::optional<tree> draft_tree(int request, std::span<const std::int32_t> history, int vocab,
-                                 std::span<std::int32_t> node_tokens, float* rows) {
-    if (history.empty()) return std::nullopt;
-    if (static_cast<int>(source_.vocab_size()) != vocab)
-      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter has a vocabulary of " +
-                                                                 std::to_string(source_.vocab_size()) + ", the target " +
-                                                                 std::to_string(vocab));
-    if (static_cast<int>(node_tokens.size()) < max_nodes_)
-      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: node_tokens holds " +
-                                                                 std::to_string(node_tokens.size()) + " nodes, a tree up to " +
-                                                                 std::to_string(max_nodes_));
-    grow(request, history, vocab);
-    std::vector<std::vector<int>> paths = chosen_paths();
-    int found = 0;
-    if (lookup_) {
-      found = lookup_->find(history, continuation_);
-      if (found > 0) add_lookup_branch(paths, std::span<const std::int32_t>(continuation_.data(), static_cast<std::size_t>(found)));
-    }
-    if (paths.empty()) return std::nullopt;
-    tree_options topt;
-    topt.topk = opt_.topk + 1;  // rank `topk`: lookup nodes
-    topt.max_depth = max_depth_;
-    tree out = tree::from_paths(paths, topt);
-    node_tokens[0] = history.back();
-    const auto v = static_cast<std::size_t>(vocab);
-    for (int u = 1; u < out.num_nodes(); ++u) {
-      const auto& p = out.sorted_paths()[static_cast<std::size_t>(u) - 1];
-      const int id = node_at(p);
-      node_tokens[static_cast<std::size_t>(u)] = id >= 0 ? nodes_[static_cast<std::size_t>(id)].token : continuation_[p.size() - 1];
-      if (rows == nullptr) continue;
-      float* row = rows + static_cast<std::size_t>(u) * v;
-      if (id >= 0) {
-        const float* drawn = draw_rows_.data() + static_cast<std::size_t>(nodes_[static_cast<std::size_t>(id)].slot) * v;
-        std::copy(drawn, drawn + v, row);
-      } else {  // the lookup's own token: a point mass
-        std::fill(row, row + v, 0.0f);
-        row[static_cast<std::size_t>(node_tokens[static_cast<std::size_t>(u)])] = 1.0f;
-      }
-    }
-    return out;
   }
 
   struct node {
@@ -258,11 +247,248 @@ class tree_drafter {
     std::int32_t token;
     double logp;        // joint log-probability of the path under the drafter (warped when sampled)
     int first_child;    // id of child rank 0 (children are consecutive), -1 before expansion
-    int slot = -1;      // sampled: the draw that made the node (its row in `draw_rows_`)
+    int slot = -1;      // sampled: the draw that made the node (its row in `draw_rows`)
   };
 
+  // One request's tree while it grows.
+  struct growth {
+    std::vector<node> nodes;
+    std::vector<int> frontier;
+    int chain_end = -1;  // the node whose row ends the chain of rows in the drafter's cache; -1: none
+    bool growing = false;
+    // The pass being run: its shape, node ids, tokens, rows wanted and rows cached.
+    std::optional<tree> shape;
+    std::vector<int> pass_ids;
+    std::vector<std::int32_t> pass_tokens;
+    int outputs = 0, cached = 0;
+    // Sampled trees only: the Philox key, the draws so far and the row of each.
+    std::uint64_t seed = 0, step = 0, draws = 0;
+    int drawn = 0;
+    std::vector<float> draw_rows;  // [max_nodes][vocab]
+    std::vector<int> slot_parent;
+    std::vector<std::int32_t> slot_token;
+  };
+
+  // Grows the trees of `calls`; sampled (`warp_`), `rows[i]` (`[max_nodes()][vocab]`) receives call
+  // i's nodes' draft distributions and `growths_[i]` must hold its seed and step.
+  void grow_all(std::span<step_draft_call> calls, int vocab, std::span<float* const> rows) {
+    if (static_cast<int>(source_.vocab_size()) != vocab)
+      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter has a vocabulary of " +
+                                                                 std::to_string(source_.vocab_size()) + ", the target " +
+                                                                 std::to_string(vocab));
+    for (const step_draft_call& c : calls)
+      if (static_cast<int>(c.node_tokens.size()) < max_nodes_)
+        throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: node_tokens holds " +
+                                                                   std::to_string(c.node_tokens.size()) + " nodes, a tree up to " +
+                                                                   std::to_string(max_nodes_));
+    const auto v = static_cast<std::size_t>(vocab);
+    if (growths_.size() < calls.size()) growths_.resize(calls.size());
+    // The roots: every request's catch-up, one drafter pass for all.
+    roots_.clear();
+    which_.clear();
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      growth& g = growths_[i];
+      g.growing = false;
+      g.nodes.clear();
+      g.drawn = 0;
+      g.draws = 0;
+      calls[i].result.reset();
+      if (calls[i].history.empty()) continue;
+      g.nodes.push_back({-1, -1, 0, calls[i].history.back(), 0.0, -1});
+      if (warp_) {
+        g.draw_rows.resize(static_cast<std::size_t>(opt_.max_nodes) * v);
+        g.slot_parent.resize(static_cast<std::size_t>(opt_.max_nodes));
+        g.slot_token.resize(static_cast<std::size_t>(opt_.max_nodes));
+      }
+      roots_.push_back({calls[i].request, calls[i].history});
+      which_.push_back(i);
+    }
+    if (warp_) {
+      r_.resize(v);
+      warp_ids_.resize(v);
+      keys_.resize(v);
+    }
+    for_each_root([&](std::size_t k, std::span<const float> root) {
+      growth& g = growths_[which_[k]];
+      if (root.empty()) return;
+      if (root.size() < v) throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter's root row is short");
+      g.growing = true;
+      g.chain_end = 0;  // the drafter's cache holds the root's row
+      count_pass(0);
+      if (warp_) {
+        const int root_id = 0;
+        expand_sampled(g, std::span<const int>(&root_id, 1), root.first(v), vocab);
+      } else {
+        expand(g, 0, root.first(v), vocab);
+      }
+    });
+    // Each further depth: one pass for every request still growing.
+    for (int depth = 1; depth < opt_.max_depth; ++depth) {
+      which_.clear();
+      for (std::size_t i = 0; i < calls.size(); ++i) {
+        growth& g = growths_[i];
+        if (!g.growing) continue;
+        g.growing = select_frontier(g, depth);
+        if (!g.growing) continue;
+        prepare_pass(g);
+        which_.push_back(i);
+      }
+      if (which_.empty()) break;
+      passes_.clear();
+      for (const std::size_t i : which_) {
+        const growth& g = growths_[i];
+        passes_.push_back(draft_tree_pass{*g.shape, g.pass_tokens, g.pass_ids, g.outputs, g.cached});
+      }
+      pass_calls_.clear();
+      for (std::size_t k = 0; k < which_.size(); ++k)
+        pass_calls_.push_back({calls[which_[k]].request, calls[which_[k]].history, &passes_[k]});
+      for_each_pass([&](std::size_t k, std::span<const float> out) {
+        growth& g = growths_[which_[k]];
+        if (out.empty()) {  // the pass does not fit the drafter's context: the tree stops growing
+          g.growing = false;
+          return;
+        }
+        count_pass(depth);
+        finish_pass(g, out, vocab);
+      });
+    }
+    for (std::size_t i = 0; i < calls.size(); ++i)
+      if (!growths_[i].nodes.empty()) calls[i].result = build(growths_[i], calls[i], vocab, rows.empty() ? nullptr : rows[i]);
+  }
+
+  // The source's root rows for `roots_`, handed to `use(k, row)` in order: one pass for all, or
+  // one a request (each row is then used before the next call, which may overwrite it).
+  template <class Use>
+  void for_each_root(Use&& use) {
+    if constexpr (tree_draft_batch_source<Source>) {
+      if (roots_.size() > 1) {
+        rows_.assign(roots_.size(), {});
+        source_.draft_roots(std::span<const draft_root_call>(roots_), std::span<std::span<const float>>(rows_));
+        for (std::size_t k = 0; k < roots_.size(); ++k) use(k, rows_[k]);
+        return;
+      }
+    }
+    for (std::size_t k = 0; k < roots_.size(); ++k) use(k, source_.draft_root(roots_[k].request, roots_[k].history));
+  }
+
+  // The same for the passes of `pass_calls_`.
+  template <class Use>
+  void for_each_pass(Use&& use) {
+    if constexpr (tree_draft_batch_source<Source>) {
+      if (pass_calls_.size() > 1) {
+        rows_.assign(pass_calls_.size(), {});
+        source_.draft_passes(std::span<const draft_pass_call>(pass_calls_), std::span<std::span<const float>>(rows_));
+        for (std::size_t k = 0; k < pass_calls_.size(); ++k) use(k, rows_[k]);
+        return;
+      }
+    }
+    for (std::size_t k = 0; k < pass_calls_.size(); ++k)
+      use(k, source_.draft_pass(pass_calls_[k].request, pass_calls_[k].history, *pass_calls_[k].pass));
+  }
+
+  // The nodes of depth `depth` to expand next (`g.frontier`): the `expand` most probable, none below
+  // `min_prob`. False when the tree is done growing.
+  bool select_frontier(growth& g, int depth) {
+    g.frontier.clear();
+    for (int u = 0; u < static_cast<int>(g.nodes.size()); ++u)
+      if (g.nodes[static_cast<std::size_t>(u)].depth == depth) g.frontier.push_back(u);
+    std::sort(g.frontier.begin(), g.frontier.end(), [&](int a, int b) { return before(g, a, b); });
+    if (g.frontier.size() > static_cast<std::size_t>(opt_.expand)) g.frontier.resize(static_cast<std::size_t>(opt_.expand));
+    // Below min_prob a node is not drafted, nor any descendant (never more probable).
+    std::erase_if(g.frontier, [&](int u) { return g.nodes[static_cast<std::size_t>(u)].logp < floor_; });
+    if (g.frontier.empty()) return false;
+    if (warp_) return g.drawn < opt_.max_nodes;  // sampled: every draw is kept, the budget is spent
+    // Stop once `max_nodes` drafted nodes beat the best of them: no descendant can enter the tree.
+    int better = 0;
+    for (int u = 1; u < static_cast<int>(g.nodes.size()); ++u) better += before(g, u, g.frontier.front()) ? 1 : 0;
+    return better < opt_.max_nodes;
+  }
+
+  // The pass over the frontier and its ancestors: shape, node ids, tokens, rows wanted and cached.
+  void prepare_pass(growth& g) {
+    in_pass_.assign(g.nodes.size(), 0);
+    pass_paths_.clear();
+    for (const int f : g.frontier)
+      for (int u = f; u > 0 && !in_pass_[static_cast<std::size_t>(u)]; u = g.nodes[static_cast<std::size_t>(u)].parent) {
+        in_pass_[static_cast<std::size_t>(u)] = 1;
+        path_of(g, u, path_);
+        pass_paths_.push_back(path_);
+      }
+    tree_options topt;
+    topt.topk = opt_.topk;
+    topt.max_depth = opt_.max_depth;
+    g.shape = tree::from_paths(pass_paths_, topt);
+    const auto n = static_cast<std::size_t>(g.shape->num_nodes());
+    g.pass_ids.resize(n);
+    g.pass_tokens.resize(n);
+    g.pass_ids[0] = 0;
+    g.pass_tokens[0] = g.nodes[0].token;
+    for (std::size_t i = 1; i < n; ++i) {
+      const int parent = g.pass_ids[static_cast<std::size_t>(g.shape->parent(static_cast<int>(i)))];
+      const int id = g.nodes[static_cast<std::size_t>(parent)].first_child + g.shape->rank(static_cast<int>(i));
+      g.pass_ids[i] = id;
+      g.pass_tokens[i] = g.nodes[static_cast<std::size_t>(id)].token;
+    }
+    // The frontier is the deepest depth of the pass: its last nodes in canonical order.
+    g.outputs = static_cast<int>(g.frontier.size());
+    // A chain whose parent's row ended the last pass (or is the root's): only the new row runs.
+    const bool chain = g.outputs == 1;
+    g.cached = chain && g.nodes[static_cast<std::size_t>(g.frontier[0])].parent == g.chain_end ? static_cast<int>(n) - 1 : 0;
+  }
+
+  // Expands the frontier from its pass's rows (`[outputs][vocab]`).
+  void finish_pass(growth& g, std::span<const float> rows, int vocab) {
+    const auto v = static_cast<std::size_t>(vocab);
+    const auto n = g.pass_ids.size();
+    const auto outputs = static_cast<std::size_t>(g.outputs);
+    // A chain pass leaves the chain's rows at consecutive slots, in its canonical order.
+    g.chain_end = g.outputs == 1 ? g.frontier[0] : -1;
+    if (rows.size() < outputs * v)
+      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter returned " + std::to_string(rows.size()) +
+                                                                 " logits for " + std::to_string(g.outputs) + " rows of " +
+                                                                 std::to_string(vocab));
+    // The rows stay valid until the source's next call; expanding does not call it.
+    if (warp_) {
+      expand_sampled(g, std::span<const int>(g.pass_ids).subspan(n - outputs), rows.first(outputs * v), vocab);
+      return;
+    }
+    for (std::size_t j = 0; j < outputs; ++j) expand(g, g.pass_ids[n - outputs + j], rows.subspan(j * v, v), vocab);
+  }
+
+  // The step's tree of `g` for `call`: its nodes' tokens, and (sampled) their rows in `rows`.
+  std::optional<tree> build(growth& g, step_draft_call& call, int vocab, float* rows) {
+    std::vector<std::vector<int>> paths = chosen_paths(g);
+    if (lookup_) {
+      const int found = lookup_->find(call.history, continuation_);
+      if (found > 0) add_lookup_branch(g, paths, std::span<const std::int32_t>(continuation_.data(), static_cast<std::size_t>(found)));
+    }
+    if (paths.empty()) return std::nullopt;
+    tree_options topt;
+    topt.topk = opt_.topk + 1;  // rank `topk`: lookup nodes
+    topt.max_depth = max_depth_;
+    tree out = tree::from_paths(paths, topt);
+    call.node_tokens[0] = call.history.back();
+    const auto v = static_cast<std::size_t>(vocab);
+    for (int u = 1; u < out.num_nodes(); ++u) {
+      const auto& p = out.sorted_paths()[static_cast<std::size_t>(u) - 1];
+      const int id = node_at(g, p);
+      const std::int32_t token = id >= 0 ? g.nodes[static_cast<std::size_t>(id)].token : continuation_[p.size() - 1];
+      call.node_tokens[static_cast<std::size_t>(u)] = token;
+      if (rows == nullptr) continue;
+      float* row = rows + static_cast<std::size_t>(u) * v;
+      if (id >= 0) {
+        const float* drawn = g.draw_rows.data() + static_cast<std::size_t>(g.nodes[static_cast<std::size_t>(id)].slot) * v;
+        std::copy(drawn, drawn + v, row);
+      } else {  // the lookup's own token: a point mass
+        std::fill(row, row + v, 0.0f);
+        row[static_cast<std::size_t>(token)] = 1.0f;
+      }
+    }
+    return out;
+  }
+
   // Children of `parent` from its logit row: the drafter's top-k, each with the path's log-probability.
-  void expand(int parent, std::span<const float> row, int vocab) {
+  void expand(growth& g, int parent, std::span<const float> row, int vocab) {
     detail::check_logit_row(row, parent, "draft tree: the drafter's row after node");
     const auto v = static_cast<std::size_t>(vocab);
     const int k = std::min(opt_.topk, vocab);
@@ -270,25 +496,26 @@ class tree_drafter {
     detail::top_k_ids(row.data(), v, k, ids_.data());
     const float m = detail::row_max(row.data(), v).max;
     const double log_sum = std::log(detail::softmax_sum(row.data(), v, m, 1.0f).sum);
-    node& p = nodes_[static_cast<std::size_t>(parent)];
-    p.first_child = static_cast<int>(nodes_.size());
+    node& p = g.nodes[static_cast<std::size_t>(parent)];
+    p.first_child = static_cast<int>(g.nodes.size());
     const double base = p.logp;
     const int depth = p.depth + 1;
     for (int r = 0; r < k; ++r) {
       const std::int32_t t = ids_[static_cast<std::size_t>(r)];
       const double lp = static_cast<double>(row[static_cast<std::size_t>(t)] - m) - log_sum;
-      nodes_.push_back({parent, r, depth, t, base + std::min(lp, 0.0), -1});
+      g.nodes.push_back({parent, r, depth, t, base + std::min(lp, 0.0), -1});
     }
   }
 
-  // Sampled children of the `parents` (rows `[parents][vocab]`, in that order): the children of
-  // each are drawn without replacement from its warped row, one draw at a time, from the parent
-  // whose next draw is the most probable to carry (its path's probability times its row's mass not
-  // drawn yet; ties: the earlier parent), until `max_nodes` nodes are drawn, a parent has `topk`
-  // children, its row is spent, or no draw reaches `min_prob`. Which parent draws next depends only
-  // on draws already made, and every drawn token is kept: conditioned on everything before it, each
-  // draw follows the row it is verified against, which is what keeps speculative sampling exact.
-  void expand_sampled(std::span<const int> parents, std::span<const float> rows, int vocab) {
+  // Sampled children of the `parents` (rows `[parents][vocab]`, in that order, all of one depth):
+  // the children of each are drawn without replacement from its warped row, one draw at a time,
+  // from the parent whose next draw is the most probable to carry (its path's probability times
+  // its row's mass not drawn yet; ties: the earlier parent), until the depth's share of `max_nodes`
+  // is drawn (one draw is left for each deeper depth), a parent has `topk` children, its row is
+  // spent, or no draw reaches `min_prob`. Which parent draws next depends only on draws already
+  // made, and every drawn token is kept: conditioned on everything before it, each draw follows
+  // the row it is verified against, which is what keeps speculative sampling exact.
+  void expand_sampled(growth& g, std::span<const int> parents, std::span<const float> rows, int vocab) {
     const auto v = static_cast<std::size_t>(vocab);
     const std::size_t np = parents.size();
     q_rows_.resize(np * v);
@@ -303,13 +530,16 @@ class tree_drafter {
       for (std::size_t x = 0; x < v; ++x) total += q[x] = static_cast<float>(r_[x] / mass);
       rest_[j] = total;
     }
-    const int first_slot = drawn_;
-    while (drawn_ < opt_.max_nodes) {
+    const int first_slot = g.drawn;
+    // Each depth leaves one draw for every depth below it, so that a path can reach `max_depth`.
+    const int depth = g.nodes[static_cast<std::size_t>(parents[0])].depth + 1;
+    const int limit = std::min(opt_.max_nodes, std::max(g.drawn + 1, opt_.max_nodes - (opt_.max_depth - depth)));
+    while (g.drawn < limit) {
       int best = -1;
       double best_score = -std::numeric_limits<double>::infinity();
       for (std::size_t j = 0; j < np; ++j) {
         if (children_[j] >= opt_.topk || !(rest_[j] > 0.0)) continue;
-        const double score = nodes_[static_cast<std::size_t>(parents[j])].logp + std::log(rest_[j]);
+        const double score = g.nodes[static_cast<std::size_t>(parents[j])].logp + std::log(rest_[j]);
         if (score >= floor_ && (best < 0 || score > best_score)) {
           best = static_cast<int>(j);
           best_score = score;
@@ -319,10 +549,10 @@ class tree_drafter {
       const auto j = static_cast<std::size_t>(best);
       // The row drawn from: the parent's row without its children so far, renormalised.
       const float* q = q_rows_.data() + j * v;
-      float* p = draw_rows_.data() + static_cast<std::size_t>(drawn_) * v;
+      float* p = g.draw_rows.data() + static_cast<std::size_t>(g.drawn) * v;
       std::copy(q, q + v, p);
-      for (int s = first_slot; s < drawn_; ++s)
-        if (slot_parent_[static_cast<std::size_t>(s)] == best) p[static_cast<std::size_t>(slot_token_[static_cast<std::size_t>(s)])] = 0.0f;
+      for (int s = first_slot; s < g.drawn; ++s)
+        if (g.slot_parent[static_cast<std::size_t>(s)] == best) p[static_cast<std::size_t>(g.slot_token[static_cast<std::size_t>(s)])] = 0.0f;
       double rest = 0.0;
       for (std::size_t x = 0; x < v; ++x) rest += p[x];
       if (!(rest > 0.0)) {
@@ -334,161 +564,61 @@ class tree_drafter {
         p[x] = static_cast<float>(static_cast<double>(p[x]) / rest);
         mass += r_[x] = static_cast<double>(p[x]);
       }
-      const double u = detail::philox_uniform(seed_, step_, detail::draft_draw_offset + draws_++);
+      const double u = detail::philox_uniform(g.seed, g.step, detail::draft_draw_offset + g.draws++);
       const std::int32_t token = detail::draw_from(r_.data(), v, mass, u);
-      slot_parent_[static_cast<std::size_t>(drawn_)] = best;
-      slot_token_[static_cast<std::size_t>(drawn_)] = token;
-      ++drawn_;
+      g.slot_parent[static_cast<std::size_t>(g.drawn)] = best;
+      g.slot_token[static_cast<std::size_t>(g.drawn)] = token;
+      ++g.drawn;
       ++children_[j];
       rest_[j] = std::max(rest - static_cast<double>(q[static_cast<std::size_t>(token)]), 0.0);
     }
     // The drawn nodes, each parent's children consecutive in draw order.
     for (std::size_t j = 0; j < np; ++j) {
-      node& parent = nodes_[static_cast<std::size_t>(parents[j])];
       if (children_[j] == 0) continue;
-      parent.first_child = static_cast<int>(nodes_.size());
+      node& parent = g.nodes[static_cast<std::size_t>(parents[j])];
+      parent.first_child = static_cast<int>(g.nodes.size());
       const double base = parent.logp;
-      const int depth = parent.depth + 1;
+      const int child_depth = parent.depth + 1;
       int rank = 0;
-      for (int s = first_slot; s < drawn_; ++s) {
-        if (slot_parent_[static_cast<std::size_t>(s)] != static_cast<int>(j)) continue;
-        const std::int32_t t = slot_token_[static_cast<std::size_t>(s)];
+      for (int s = first_slot; s < g.drawn; ++s) {
+        if (g.slot_parent[static_cast<std::size_t>(s)] != static_cast<int>(j)) continue;
+        const std::int32_t t = g.slot_token[static_cast<std::size_t>(s)];
         const double lp = std::log(static_cast<double>(q_rows_[j * v + static_cast<std::size_t>(t)]));
-        nodes_.push_back({parents[static_cast<std::size_t>(j)], rank++, depth, t, base + lp, -1, s});
+        g.nodes.push_back({parents[j], rank++, child_depth, t, base + lp, -1, s});
       }
     }
   }
 
   // Ranks of node `id`'s path from the root.
-  void path_of(int id, std::vector<int>& out) const {
+  void path_of(const growth& g, int id, std::vector<int>& out) const {
     out.clear();
-    for (int u = id; u > 0; u = nodes_[static_cast<std::size_t>(u)].parent) out.push_back(nodes_[static_cast<std::size_t>(u)].rank);
+    for (int u = id; u > 0; u = g.nodes[static_cast<std::size_t>(u)].parent) out.push_back(g.nodes[static_cast<std::size_t>(u)].rank);
     std::reverse(out.begin(), out.end());
   }
 
   // More probable first; equal ones shallower first (a parent before its child), then by id.
-  [[nodiscard]] bool before(int a, int b) const {
-    const node& x = nodes_[static_cast<std::size_t>(a)];
-    const node& y = nodes_[static_cast<std::size_t>(b)];
+  [[nodiscard]] static bool before(const growth& g, int a, int b) {
+    const node& x = g.nodes[static_cast<std::size_t>(a)];
+    const node& y = g.nodes[static_cast<std::size_t>(b)];
     if (x.logp != y.logp) return x.logp > y.logp;
     if (x.depth != y.depth) return x.depth < y.depth;
     return a < b;
   }
 
-  // Grows this step's nodes (`nodes_`) best first, one drafter pass per depth.
-  void grow(int request, std::span<const std::int32_t> history, int vocab) {
-    nodes_.clear();
-    nodes_.push_back({-1, -1, 0, history.back(), 0.0, -1});
-    drawn_ = 0;
-    if (warp_) {
-      const auto v = static_cast<std::size_t>(vocab);
-      draw_rows_.resize(static_cast<std::size_t>(opt_.max_nodes) * v);
-      r_.resize(v);
-      warp_ids_.resize(v);
-      keys_.resize(v);
-    }
-    const std::span<const float> root = source_.draft_root(request, history);
-    if (root.empty()) return;
-    chain_end_ = 0;  // the drafter's cache holds the root's row
-    count_pass(0);
-    const auto v = static_cast<std::size_t>(vocab);
-    if (root.size() < v) throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter's root row is short");
-    if (warp_) {
-      const int root_id = 0;
-      expand_sampled(std::span<const int>(&root_id, 1), root.first(v), vocab);
-    } else {
-      expand(0, root.first(v), vocab);
-    }
-    for (int depth = 1; depth < opt_.max_depth; ++depth) {
-      // The depth's nodes, most probable first: the first `expand` of them grow.
-      frontier_.clear();
-      for (int u = 0; u < static_cast<int>(nodes_.size()); ++u)
-        if (nodes_[static_cast<std::size_t>(u)].depth == depth) frontier_.push_back(u);
-      std::sort(frontier_.begin(), frontier_.end(), [&](int a, int b) { return before(a, b); });
-      if (frontier_.size() > static_cast<std::size_t>(opt_.expand)) frontier_.resize(static_cast<std::size_t>(opt_.expand));
-      // Below min_prob a node is not drafted, nor any descendant (never more probable).
-      std::erase_if(frontier_, [&](int u) { return nodes_[static_cast<std::size_t>(u)].logp < floor_; });
-      if (frontier_.empty()) break;
-      if (warp_) {
-        if (drawn_ >= opt_.max_nodes) break;  // sampled: every draw is kept, the budget is spent
-      } else {
-        // Stop once `max_nodes` drafted nodes beat the best of them: no descendant can enter the tree.
-        int better = 0;
-        for (int u = 1; u < static_cast<int>(nodes_.size()); ++u) better += before(u, frontier_.front()) ? 1 : 0;
-        if (better >= opt_.max_nodes) break;
-      }
-      if (!run_pass(request, history, vocab)) break;
-      count_pass(depth);
-    }
-  }
-
-  // One drafter pass over the frontier and its ancestors; expands the frontier from its rows.
-  bool run_pass(int request, std::span<const std::int32_t> history, int vocab) {
-    // The pass's nodes: the frontier and every ancestor, as paths.
-    in_pass_.assign(nodes_.size(), 0);
-    pass_paths_.clear();
-    for (const int f : frontier_)
-      for (int u = f; u > 0 && !in_pass_[static_cast<std::size_t>(u)]; u = nodes_[static_cast<std::size_t>(u)].parent) {
-        in_pass_[static_cast<std::size_t>(u)] = 1;
-        path_of(u, path_);
-        pass_paths_.push_back(path_);
-      }
-    tree_options topt;
-    topt.topk = opt_.topk;
-    topt.max_depth = opt_.max_depth;
-    const tree shape = tree::from_paths(pass_paths_, topt);
-    const auto n = static_cast<std::size_t>(shape.num_nodes());
-    pass_ids_.resize(n);
-    pass_tokens_.resize(n);
-    pass_ids_[0] = 0;
-    pass_tokens_[0] = nodes_[0].token;
-    for (std::size_t i = 1; i < n; ++i) {
-      const int parent = pass_ids_[static_cast<std::size_t>(shape.parent(static_cast<int>(i)))];
-      const int id = nodes_[static_cast<std::size_t>(parent)].first_child + shape.rank(static_cast<int>(i));
-      pass_ids_[i] = id;
-      pass_tokens_[i] = nodes_[static_cast<std::size_t>(id)].token;
-    }
-    // The frontier is the deepest depth of the pass: its last nodes in canonical order.
-    const int outputs = static_cast<int>(frontier_.size());
-    // A chain whose parent's row ended the last pass (or is the root's): only the new row runs.
-    const bool chain = outputs == 1;
-    const int cached = chain && nodes_[static_cast<std::size_t>(frontier_[0])].parent == chain_end_ ? static_cast<int>(n) - 1 : 0;
-    const draft_tree_pass pass{shape, pass_tokens_, pass_ids_, outputs, cached};
-    const std::span<const float> rows = source_.draft_pass(request, history, pass);
-    if (rows.empty()) return false;
-    // A chain pass leaves the chain's rows at consecutive slots, in its canonical order.
-    chain_end_ = chain ? frontier_[0] : -1;
-    const auto v = static_cast<std::size_t>(vocab);
-    if (rows.size() < static_cast<std::size_t>(outputs) * v)
-      throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter returned " + std::to_string(rows.size()) +
-                                                                 " logits for " + std::to_string(outputs) + " rows of " +
-                                                                 std::to_string(vocab));
-    // The rows stay valid until the source's next call; expanding does not call it.
-    if (warp_) {
-      expand_sampled(std::span<const int>(pass_ids_).subspan(n - static_cast<std::size_t>(outputs)),
-                     rows.first(static_cast<std::size_t>(outputs) * v), vocab);
-      return true;
-    }
-    for (int j = 0; j < outputs; ++j)
-      expand(pass_ids_[n - static_cast<std::size_t>(outputs) + static_cast<std::size_t>(j)],
-             rows.subspan(static_cast<std::size_t>(j) * v, v), vocab);
-    return true;
-  }
-
   // The step's tree: the `max_nodes` most probable drafted nodes, as paths (sampled: every node
   // drawn; leaving one out for its value would bias the draws that remain).
-  std::vector<std::vector<int>> chosen_paths() {
+  std::vector<std::vector<int>> chosen_paths(const growth& g) {
     chosen_.clear();
-    for (int u = 1; u < static_cast<int>(nodes_.size()); ++u)
-      if (warp_ || nodes_[static_cast<std::size_t>(u)].logp >= floor_) chosen_.push_back(u);
+    for (int u = 1; u < static_cast<int>(g.nodes.size()); ++u)
+      if (warp_ || g.nodes[static_cast<std::size_t>(u)].logp >= floor_) chosen_.push_back(u);
     const auto keep = std::min(chosen_.size(), static_cast<std::size_t>(opt_.max_nodes));
     std::partial_sort(chosen_.begin(), chosen_.begin() + static_cast<std::ptrdiff_t>(keep), chosen_.end(),
-                      [&](int a, int b) { return before(a, b); });
+                      [&](int a, int b) { return before(g, a, b); });
     chosen_.resize(keep);
     std::vector<std::vector<int>> paths;
     paths.reserve(keep);
     for (const int u : chosen_) {
-      path_of(u, path_);
+      path_of(g, u, path_);
       paths.push_back(path_);
     }
     return paths;
@@ -496,7 +626,7 @@ class tree_drafter {
 
   // Adds the lookup's continuation as a branch: it follows drafted nodes proposing its tokens,
   // then continues with nodes of rank `topk`.
-  void add_lookup_branch(std::vector<std::vector<int>>& paths, std::span<const std::int32_t> continuation) const {
+  void add_lookup_branch(const growth& g, std::vector<std::vector<int>>& paths, std::span<const std::int32_t> continuation) const {
     std::vector<int> at;
     int u = 0;  // the branch's node among the drafted ones while it follows them
     bool own = false;
@@ -505,8 +635,8 @@ class tree_drafter {
       if (!own)
         for (const auto& p : paths)
           if (p.size() == at.size() + 1 && std::equal(at.begin(), at.end(), p.begin())) {
-            const int c = nodes_[static_cast<std::size_t>(u)].first_child + p.back();
-            if (nodes_[static_cast<std::size_t>(c)].token == t) {
+            const int c = g.nodes[static_cast<std::size_t>(u)].first_child + p.back();
+            if (g.nodes[static_cast<std::size_t>(c)].token == t) {
               next = p.back();
               u = c;
               break;
@@ -522,11 +652,11 @@ class tree_drafter {
   }
 
   // The drafted node at ranks `p`, or -1 for the lookup's own node (rank `topk` on the way).
-  [[nodiscard]] int node_at(const std::vector<int>& p) const {
+  [[nodiscard]] int node_at(const growth& g, const std::vector<int>& p) const {
     int u = 0;
     for (std::size_t d = 0; d < p.size(); ++d) {
       if (p[d] == opt_.topk) return -1;
-      u = nodes_[static_cast<std::size_t>(u)].first_child + p[d];
+      u = g.nodes[static_cast<std::size_t>(u)].first_child + p[d];
     }
     return u;
   }
@@ -541,23 +671,23 @@ class tree_drafter {
   std::optional<ngram_lookup> lookup_;
   int max_nodes_ = 1, max_depth_ = 1;
   double floor_ = 0.0;  // log(min_prob), −∞ for 0
-  int chain_end_ = -1;  // the node whose row ends the chain of rows in the drafter's cache; -1: none
-  std::vector<node> nodes_;
-  std::vector<int> frontier_, chosen_, pass_ids_, path_;
+  std::optional<sampling_warp> warp_;  // sampled trees (`tree_sampler`)
+  std::vector<growth> growths_;        // per call of a step
+  // Scratch of one step.
+  std::vector<draft_root_call> roots_;
+  std::vector<draft_pass_call> pass_calls_;
+  std::vector<draft_tree_pass> passes_;
+  std::vector<std::span<const float>> rows_;
+  std::vector<std::size_t> which_;
+  std::vector<int> chosen_, path_;
   std::vector<char> in_pass_;
   std::vector<std::vector<int>> pass_paths_;
-  std::vector<std::int32_t> pass_tokens_, ids_, continuation_;
-  std::vector<std::int64_t> passes_by_depth_;
-  // Sampled trees only.
-  std::optional<sampling_warp> warp_;
-  std::uint64_t seed_ = 0, step_ = 0, draws_ = 0;  // the step's Philox key and draw counter
-  int drawn_ = 0;                                  // draws this step (each is a node)
-  std::vector<float> draw_rows_;                   // [max_nodes][vocab]: the row of each draw
-  std::vector<float> q_rows_;                      // [expanded][vocab]: the parents' warped rows
+  std::vector<std::int32_t> ids_, continuation_, warp_ids_;
+  std::vector<float> q_rows_;
   std::vector<double> r_, rest_;
-  std::vector<int> children_, slot_parent_;
-  std::vector<std::int32_t> slot_token_, warp_ids_;
+  std::vector<int> children_;
   std::vector<std::uint64_t> keys_;
+  std::vector<std::int64_t> passes_by_depth_;
 };
 
 //! Draft trees of sampled tokens, for `speculative_policy` at T > 0: a `tree_drafter` whose nodes'
@@ -573,7 +703,8 @@ class tree_drafter {
 //! - **Shape.** Each depth expands the `expand` nodes of highest joint probability under the
 //!   warped drafter; their children are drawn one at a time from the parent whose next draw carries
 //!   the most probability (its path's probability times the mass of its row not drawn yet), at most
-//!   `topk` per parent, until `max_nodes` nodes are drawn or no draw would reach `min_prob`. Every
+//!   `topk` per parent, until `max_nodes` nodes are drawn (each depth leaves one draw for every
+//!   depth below it, down to `max_depth`) or no draw would reach `min_prob`. Every
 //!   drawn node is kept: the tree never drops a node for its value, which would bias the draws
 //!   that stay. `max_nodes` therefore bounds the draws, and `expand` × `topk` the nodes of a depth
 //!   (e.g. topk 2, expand 2 for a deep tree).
@@ -619,14 +750,27 @@ class tree_sampler {
 
   //! This step's tree for request `request` (as `tree_drafter::draft`), its tokens drawn with
   //! Philox(`seed`, `step`) and their rows kept for `draft_probs(request)`.
-  std::optional<tree> draft(int request, std::span<const std::int32_t> history, std::span<const float> /*head_logits*/,
+  std::optional<tree> draft(int request, std::span<const std::int32_t> history, std::span<const float> head_logits,
                             int vocab, std::span<std::int32_t> node_tokens, std::uint64_t seed, std::uint64_t step) {
-    trees_.seed_ = seed;
-    trees_.step_ = step;
-    trees_.draws_ = 0;
-    std::vector<float>& rows = probs_[request];
-    rows.resize(static_cast<std::size_t>(max_nodes()) * static_cast<std::size_t>(std::max(vocab, 0)));
-    return trees_.draft_tree(request, history, vocab, node_tokens, rows.data());
+    step_draft_call call{request, history, head_logits, node_tokens, seed, step, std::nullopt};
+    draft_batch(std::span<step_draft_call>(&call, 1), vocab);
+    return std::move(call.result);
+  }
+
+  //! Every request's tree of a step, each drawn with its call's seed and step (as
+  //! `tree_drafter::draft_batch`): the same trees as `draft` for each alone.
+  void draft_batch(std::span<step_draft_call> calls, int vocab) {
+    if (trees_.growths_.size() < calls.size()) trees_.growths_.resize(calls.size());
+    rows_.clear();
+    const std::size_t cells = static_cast<std::size_t>(max_nodes()) * static_cast<std::size_t>(std::max(vocab, 0));
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      trees_.growths_[i].seed = calls[i].seed;
+      trees_.growths_[i].step = calls[i].step;
+      std::vector<float>& rows = probs_[calls[i].request];
+      rows.resize(cells);
+      rows_.push_back(rows.data());
+    }
+    trees_.grow_all(calls, vocab, rows_);
   }
 
   //! `[max_nodes][vocab]` draft distributions of `request`'s last tree, in its node order: row u is
@@ -652,6 +796,7 @@ class tree_sampler {
  private:
   tree_drafter<Source> trees_;
   std::map<int, std::vector<float>> probs_;  // per request: its last tree's rows
+  std::vector<float*> rows_;                 // per call of a step: its request's rows
 };
 
 MEDUSA_NAMESPACE_END

@@ -372,6 +372,26 @@ concept seeded_step_drafts = requires(D& d, int request, std::span<const std::in
   { d.draft(request, history, logits, vocab, tokens, seed, step) } -> std::same_as<std::optional<tree>>;
 };
 
+//! One request's drafting in a batched drafter call (`batch_step_drafts`): the arguments of
+//! `draft(request, history, head_logits, vocab, node_tokens, seed, step)`, and its result.
+struct step_draft_call {
+  int request = 0;                          //!< the engine's id of the request
+  std::span<const std::int32_t> history;    //!< its tokens, ending with the step's root
+  std::span<const float> head_logits;       //!< its rows of the heads' logits (may be empty)
+  std::span<std::int32_t> node_tokens;      //!< receives its tree's tokens (`max_nodes()` entries)
+  std::uint64_t seed = 0;                   //!< its Philox key (drafters that sample)
+  std::uint64_t step = 0;                   //!< the step number its verification uses
+  std::optional<tree> result;               //!< written by the drafter: the tree, or nothing (a plain step)
+};
+
+//! A per-step drafter that drafts every request of a step in one call, `draft_batch(calls,
+//! vocab)`, e.g. running one ragged draft pass per depth for all of them (`tree_drafter` over a
+//! `tree_draft_batch_source`). `batch_decoder` prefers it; each call's result must be what
+//! `draft` gives for that request alone. A call that throws is retried request by request, so
+//! that only the request at fault fails.
+template <class D>
+concept batch_step_drafts = requires(D& d, std::span<step_draft_call> calls, int vocab) { d.draft_batch(calls, vocab); };
+
 //! A per-step tree source for the decoders (`step_drafter`, `basic_step_drafter`, or a user type
 //! with the same members): `max_nodes()`, `max_depth()`, `heads_depth()` and `draft(history,
 //! head_logits, vocab, node_tokens)`, or `draft(request, history, ...)` (`request_step_drafts`),

@@ -360,3 +360,113 @@ TEST_CASE("a feature drafter's trees are lossless: each node's row takes its par
     MESSAGE("feature trees, expand " << expand << ": " << r.stats.steps << " steps for " << r.stats.new_tokens << " tokens");
   }
 }
+
+TEST_CASE("a batch's trees grow together, one draft pass per depth, each the tree it gets alone") {
+  tiny_model draft_w(512, /*seed=*/11);
+  const std::vector<std::vector<std::int32_t>> histories = {{1, 5, 9, 13}, {3, 3, 8, 20, 4}, {7}};
+  const std::vector<int> requests = {4, 9, 2};
+  const medusa::draft_tree_options shape{.max_nodes = 8, .max_depth = 4, .topk = 2, .expand = 2};
+  static_assert(medusa::tree_draft_batch_source<medusa::draft_model_branch<tiny::batch_engine>>);
+  static_assert(!medusa::tree_draft_batch_source<medusa::draft_model_branch<tiny_model>>);
+  constexpr int V = tiny_model::vocab;
+  auto calls_for = [&](std::vector<std::vector<std::int32_t>>& tokens) {
+    std::vector<medusa::step_draft_call> calls;
+    for (std::size_t i = 0; i < histories.size(); ++i)
+      calls.push_back({requests[i], histories[i], {}, tokens[i], 100 + i, 1, std::nullopt});
+    return calls;
+  };
+  SUBCASE("top-k trees") {
+    tiny::batch_engine together(draft_w, 512), alone(draft_w, 512);
+    medusa::draft_model_branch<tiny::batch_engine> bt(together, V), ba(alone, V);
+    medusa::tree_drafter<medusa::draft_model_branch<tiny::batch_engine>> dt(bt, shape), da(ba, shape);
+    std::vector<std::vector<std::int32_t>> tokens(3, std::vector<std::int32_t>(static_cast<std::size_t>(dt.max_nodes())));
+    auto calls = calls_for(tokens);
+    dt.draft_batch(calls, V);
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      std::vector<std::int32_t> own(tokens[i].size());
+      const auto t = da.draft(requests[i], histories[i], {}, V, own);
+      REQUIRE(t);
+      REQUIRE(calls[i].result);
+      CHECK(calls[i].result->sorted_paths() == t->sorted_paths());
+      CHECK(std::equal(own.begin(), own.begin() + t->num_nodes(), tokens[i].begin()));
+    }
+    MESSAGE("draft passes: " << bt.passes() << " together, " << ba.passes() << " one request at a time");
+    CHECK(bt.passes() < ba.passes());
+    CHECK(bt.passes() <= shape.max_depth);  // the roots, then one pass a depth
+  }
+  SUBCASE("sampled trees, with their rows") {
+    tiny::batch_engine together(draft_w, 512), alone(draft_w, 512);
+    medusa::draft_model_branch<tiny::batch_engine> bt(together, V), ba(alone, V);
+    const medusa::sampling_warp warp{.temperature = 0.9f};
+    medusa::tree_sampler<medusa::draft_model_branch<tiny::batch_engine>> st(bt, shape, warp), sa(ba, shape, warp);
+    std::vector<std::vector<std::int32_t>> tokens(3, std::vector<std::int32_t>(static_cast<std::size_t>(st.max_nodes())));
+    auto calls = calls_for(tokens);
+    st.draft_batch(calls, V);
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      std::vector<std::int32_t> own(tokens[i].size());
+      const auto t = sa.draft(requests[i], histories[i], {}, V, own, 100 + i, 1);
+      REQUIRE(t);
+      REQUIRE(calls[i].result);
+      CHECK(calls[i].result->sorted_paths() == t->sorted_paths());
+      CHECK(std::equal(own.begin(), own.begin() + t->num_nodes(), tokens[i].begin()));
+      const auto a = st.draft_probs(requests[i]), b = sa.draft_probs(requests[i]);
+      CHECK(std::equal(a.begin(), a.begin() + t->num_nodes() * V, b.begin()));
+    }
+    CHECK(bt.passes() < ba.passes());
+  }
+}
+
+// A batched draft model whose root row for one request holds a NaN.
+struct poisoned_source {
+  medusa::draft_model_branch<tiny::batch_engine> inner;
+  int bad = -1;
+  std::vector<float> copy;
+  int vocab_size() const { return inner.vocab_size(); }
+  std::span<const float> poison(std::span<const float> row) {
+    copy.assign(row.begin(), row.end());
+    copy[0] = std::numeric_limits<float>::quiet_NaN();
+    return copy;
+  }
+  std::span<const float> draft_root(int request, std::span<const std::int32_t> history) {
+    const auto row = inner.draft_root(request, history);
+    return request == bad && !row.empty() ? poison(row) : row;
+  }
+  std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const medusa::draft_tree_pass& p) {
+    return inner.draft_pass(request, history, p);
+  }
+  void draft_roots(std::span<const medusa::draft_root_call> calls, std::span<std::span<const float>> rows) {
+    inner.draft_roots(calls, rows);
+    for (std::size_t i = 0; i < calls.size(); ++i)
+      if (calls[i].request == bad && !rows[i].empty()) rows[i] = poison(rows[i]);
+  }
+  void draft_passes(std::span<const medusa::draft_pass_call> calls, std::span<std::span<const float>> rows) {
+    inner.draft_passes(calls, rows);
+  }
+  void release(int request) { inner.release(request); }
+};
+
+TEST_CASE("a drafter row that fails one request of a batch's drafts fails that request alone") {
+  tiny_model target(512), draft_w(512, /*seed=*/11);
+  tiny::batch_engine engine(target, 512), draft(draft_w, 512);
+  static_assert(medusa::tree_draft_batch_source<poisoned_source>);
+  poisoned_source src{medusa::draft_model_branch<tiny::batch_engine>(draft, target.vocab_size()), 11, {}};
+  medusa::no_heads none;
+  medusa::batch_decoder dec(engine, none, medusa::tree_drafter(src, {.max_nodes = 8, .max_depth = 4, .topk = 2, .expand = 2}),
+                            medusa::greedy_policy{}, 4);
+  const std::vector<std::vector<std::int32_t>> prompts = {{1, 5, 9, 13}, {3, 3, 8}, {20, 1, 2, 30, 4, 11, 6}};
+  medusa::decode_options opt;
+  opt.max_new_tokens = 30;
+  for (std::size_t r = 0; r < prompts.size(); ++r) dec.join(10 + static_cast<int>(r), prompts[r], opt);
+  std::map<int, medusa::request_update> out;
+  while (dec.size() > 0)
+    for (auto& u : dec.step())
+      if (u.finished) out[u.request] = u;
+  REQUIRE(out.size() == 3);
+  CHECK(out[11].reason == medusa::stop_reason::failed);
+  CHECK(out[11].error_message().find("draft tree") != std::string::npos);
+  for (const int r : {10, 12}) {
+    INFO("request " << r << ": " << out[r].error_message());
+    tiny_model alone(512);
+    CHECK(out[r].result.tokens == medusa::generate_vanilla(alone, prompts[static_cast<std::size_t>(r - 10)], medusa::greedy_policy{}, opt).tokens);
+  }
+}

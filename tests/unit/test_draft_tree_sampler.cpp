@@ -188,6 +188,24 @@ TEST_CASE("min_prob leaves out draws that would carry less; T = 0 draws the gree
   }
 }
 
+TEST_CASE("each depth of a sampled tree leaves one draw for every depth below it") {
+  tiny_model draft(64, 11);
+  std::vector<std::int32_t> tokens(16);
+  for (std::uint64_t seed = 0; seed < 8; ++seed) {
+    CAPTURE(seed);
+    sampler four(branch(draft, V), {.max_nodes = 4, .max_depth = 3, .topk = 2, .expand = 1}, {.temperature = 1.0f});
+    const auto t = four.draft(0, prompt, {}, V, tokens, seed, 1);
+    REQUIRE(t);
+    CHECK(t->num_nodes() == 5);
+    CHECK(t->depth() == 3);  // 2 draws at depth 1, then one a depth
+    sampler few(branch(draft, V), {.max_nodes = 3, .max_depth = 8, .topk = 3, .expand = 2}, {.temperature = 1.0f});
+    const auto c = few.draft(0, prompt, {}, V, tokens, seed, 1);
+    REQUIRE(c);
+    CHECK(c->num_leaves() == 1);  // fewer draws than depths: a chain
+    CHECK(c->depth() == 3);
+  }
+}
+
 TEST_CASE("sampled trees decode exactly as plain greedy decoding under greedy verification and at T = 0") {
   tiny_model target(128), unlike(128, 11);
   medusa::decode_options opt;

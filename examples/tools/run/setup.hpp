@@ -163,6 +163,10 @@ struct draft_source {
   int vocab = 0;
   std::function<std::span<const float>(int, std::span<const std::int32_t>)> root;
   std::function<std::span<const float>(int, std::span<const std::int32_t>, const medusa::draft_tree_pass&)> pass;
+  // The `tree_draft_batch_source` members, for a drafter over the serving engine (empty: one
+  // request at a time).
+  std::function<void(std::span<const medusa::draft_root_call>, std::span<std::span<const float>>)> roots;
+  std::function<void(std::span<const medusa::draft_pass_call>, std::span<std::span<const float>>)> passes;
 
   template <class Branch>
   static draft_source of(Branch b) {
@@ -176,9 +180,19 @@ struct draft_source {
                    [b](int request, std::span<const std::int32_t> history) mutable { return b.draft_root(request, history); },
                    [b](int request, std::span<const std::int32_t> history, const medusa::draft_tree_pass& p) mutable {
                      return b.draft_pass(request, history, p);
-                   }};
+                   },
+                   {},
+                   {}};
     if constexpr (requires { Branch::observes_features(); })
       s.observe = [b](int request, int position, std::span<const float> rows) mutable { b.observe(request, position, rows); };
+    if constexpr (medusa::tree_draft_batch_source<Branch>) {
+      s.roots = [b](std::span<const medusa::draft_root_call> calls, std::span<std::span<const float>> rows) mutable {
+        b.draft_roots(calls, rows);
+      };
+      s.passes = [b](std::span<const medusa::draft_pass_call> calls, std::span<std::span<const float>> rows) mutable {
+        b.draft_passes(calls, rows);
+      };
+    }
     return s;
   }
 };
@@ -204,6 +218,26 @@ struct run_tree_source : draft_hooks {
   std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const medusa::draft_tree_pass& p) {
     return draft.pass(request, history, p);
   }
+  // The batched passes; a drafter without them runs the requests one by one. Then each row is
+  // copied, since the drafter's next call may overwrite its spans.
+  void draft_roots(std::span<const medusa::draft_root_call> calls, std::span<std::span<const float>> rows) {
+    if (draft.roots) return draft.roots(calls, rows);
+    one_by_one(calls.size(), rows, [&](std::size_t i) { return draft.root(calls[i].request, calls[i].history); });
+  }
+  void draft_passes(std::span<const medusa::draft_pass_call> calls, std::span<std::span<const float>> rows) {
+    if (draft.passes) return draft.passes(calls, rows);
+    one_by_one(calls.size(), rows, [&](std::size_t i) { return draft.pass(calls[i].request, calls[i].history, *calls[i].pass); });
+  }
+  template <class Run>
+  void one_by_one(std::size_t count, std::span<std::span<const float>> rows, Run&& run) {
+    copies.resize(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::span<const float> r = run(i);
+      copies[i].assign(r.begin(), r.end());
+      rows[i] = r.empty() ? std::span<const float>{} : std::span<const float>(copies[i]);
+    }
+  }
+  std::vector<std::vector<float>> copies;  // the rows of a drafter run one request at a time
 };
 
 // The branch of the per-step drafts: the prompt lookup's continuation where it finds one (--lookup),
@@ -238,6 +272,11 @@ class run_drafter {
                                     int vocab, std::span<std::int32_t> node_tokens) {
     return chain_ ? chain_->draft(request, history, head_logits, vocab, node_tokens)
                   : tree_->draft(request, history, head_logits, vocab, node_tokens);
+  }
+  // Every request of a step: the tree drafter's passes run for all of them together.
+  void draft_batch(std::span<medusa::step_draft_call> calls, int vocab) {
+    if (tree_) return tree_->draft_batch(calls, vocab);
+    for (auto& c : calls) c.result = chain_->draft(c.request, c.history, c.head_logits, vocab, c.node_tokens);
   }
   [[nodiscard]] bool observes_features() const { return chain_ ? chain_->observes_features() : tree_->observes_features(); }
   void observe(int request, int position, std::span<const float> rows) {

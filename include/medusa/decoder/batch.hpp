@@ -399,6 +399,8 @@ class batch_decoder {
     std::optional<::medusa::tree> step_tree;  // per-step drafts: this step's tree; else the part of
                                               // the shared tree a short KV pool left room for
     std::vector<std::int32_t> history;  // per-step drafts: prompt and generated tokens (for lookups)
+    std::vector<std::int32_t> drafted;  // per-step drafts drafted together: this step's node tokens
+    bool predrafted = false;            // `step_tree` and `drafted` hold this step's drafts
     decode_result result;
     std::exception_ptr error;
     detail::decode_clock::time_point joined;
@@ -528,6 +530,41 @@ class batch_decoder {
   // Maps (hook) and checks slots [L, L + count) of a request before a forward writes them, and
   // returns how many of the `count` the engine could map (all, unless its `reserve` grants fewer).
   // A model that commits itself is checked against its context before it maps anything.
+  // The per-step drafts of every tree request, drafted together (`batch_step_drafts`, e.g. one
+  // draft pass per depth for all of them): their trees and tokens wait in the slots. When the
+  // drafter throws, each request drafts alone in the step's loop, so that only the one at fault
+  // fails.
+  void draft_together(int n, std::size_t HV) {
+    step_calls_.clear();
+    int r = 0;
+    for (slot& s : slots_) {
+      s.predrafted = false;
+      if (s.rows <= 1) continue;
+      s.history.push_back(s.pending);
+      s.drafted.resize(detail::to_size(n));
+      step_calls_.push_back({s.id, s.history, std::span<const float>(head_logits_.data() + detail::to_size(r) * HV, HV), s.drafted,
+                             s.opt.seed, static_cast<std::uint64_t>(s.step + 1), std::nullopt});
+      ++r;
+    }
+    if (step_calls_.empty()) return;
+    bool ok = true;
+    try {
+      tree_.draft_batch(std::span<step_draft_call>(step_calls_), vocab_);
+    } catch (...) {
+      ok = false;
+    }
+    std::size_t i = 0;
+    for (slot& s : slots_) {
+      if (s.rows <= 1) continue;
+      s.history.pop_back();
+      if (ok) {
+        s.step_tree = std::move(step_calls_[i].result);
+        s.predrafted = true;
+      }
+      ++i;
+    }
+  }
+
   int prepare_append(slot& s, int L, int count) {
     if constexpr (kv_committing_model<Model>) detail::kv_check_append_within(context_of(s.id), L, count);
     int fit = count;
@@ -707,6 +744,7 @@ class batch_decoder {
                          std::span<float>(head_logits_.data() + to_size(r) * HV, HV));
       }
     }
+    if constexpr (per_step && batch_step_drafts<Tree>) draft_together(n, HV);
     const double heads_time = seconds_since(t0);
 
     t0 = decode_clock::now();
@@ -723,7 +761,7 @@ class batch_decoder {
           const auto hl = std::span<const float>(head_logits_.data() + to_size(r) * HV, HV);
           ++r;
           s.history.push_back(s.pending);
-          ok = guarded(s, [&] {
+          ok = s.predrafted || guarded(s, [&] {
             const auto node_tokens = std::span<std::int32_t>(toks, to_size(n));
             if constexpr (seeded_step_drafts<Tree>)  // the verification's seed and step (its draws: their own range)
               s.step_tree = tree_.draft(s.id, s.history, hl, vocab_, node_tokens, s.opt.seed, static_cast<std::uint64_t>(s.step + 1));
@@ -731,6 +769,7 @@ class batch_decoder {
             else s.step_tree = tree_.draft(s.history, hl, vocab_, node_tokens);
           });
           s.history.pop_back();
+          if (s.predrafted) std::copy(s.drafted.begin(), s.drafted.end(), toks);
           if (ok && s.step_tree) {
             s.rows = s.step_tree->num_nodes();
             write_node_positions(*s.step_tree, L, pos);
@@ -930,6 +969,7 @@ class batch_decoder {
   std::vector<int> ids_, head_ids_, qo_indptr_, cache_lengths_, verify_rows_;
   std::vector<slot*> members_;
   std::vector<verify_request> requests_;
+  std::vector<step_draft_call> step_calls_;  // per-step drafts drafted together
   std::vector<verify_result> results_;
   std::vector<bool> verified_ok_;
   std::vector<std::int32_t> step_tokens_;
