@@ -105,7 +105,7 @@ TEST_CASE("the chi-square check catches rows that are not the distributions draw
   const medusa::draft_tree_options shape{.max_nodes = 8, .max_depth = 3, .topk = 4, .expand = 2};
   for (const bool independent : {true, false}) {
     const biased_rows biased{sampler(branch(unlike, V), shape, w), independent, {}};
-    const auto r = sampled_chains::first_three(target, prompt, biased, w, 30000);
+    const auto r = sampled_chains::first_three(target, prompt, biased, w, trials);
     report(independent ? "rows as if drawn with replacement" : "flattened rows", r);
     CHECK(std::min(r.first_two.p, r.second_third.p) < 1e-6);
   }
