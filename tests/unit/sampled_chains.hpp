@@ -24,51 +24,14 @@ inline std::vector<float> last_logits(tiny::tiny_model& m, const std::vector<std
 
 struct result {
   stats::chi2_result first, first_two;
-  stats::chi2_result second_third;  // `first_three` only: the first tree step's two tokens
+  stats::chi2_result second_third;
   double per_step = 0;
 };
 
-// The first two tokens of `trials` generations after `prompt` (seed = trial) against the exact
-// warped target. The first is drawn from the prefill's logits; the second comes from the first
-// step's chain.
-template <class Drafts>
-result first_two(tiny::tiny_model& target, const std::vector<std::int32_t>& prompt, const Drafts& drafts,
-                 const medusa::sampling_warp& warp, int trials) {
-  constexpr int V = tiny::tiny_model::vocab;
-  auto q1 = stats::reference_warp(last_logits(target, prompt).data(), V, warp.temperature, warp.top_k, warp.top_p);
-  std::vector<double> p12(V * V);
-  for (int a = 0; a < V; ++a) {
-    if (q1[static_cast<std::size_t>(a)] == 0.0) continue;
-    auto ctx = prompt;
-    ctx.push_back(a);
-    const auto q2 = stats::reference_warp(last_logits(target, ctx).data(), V, warp.temperature, warp.top_k, warp.top_p);
-    for (int b = 0; b < V; ++b) p12[static_cast<std::size_t>(a * V + b)] = q1[static_cast<std::size_t>(a)] * q2[static_cast<std::size_t>(b)];
-  }
-  medusa::no_heads heads;
-  medusa::decoder dec(target, heads, drafts, medusa::speculative_policy{warp});
-  std::vector<long> o1(V), o12(V * V);
-  double steps = 0, tokens = 0;
-  medusa::decode_options opt;
-  opt.max_new_tokens = 3;
-  for (int i = 0; i < trials; ++i) {
-    opt.seed = static_cast<std::uint64_t>(i);
-    const auto r = dec.generate(prompt, opt);
-    REQUIRE(r.tokens.size() >= 2);
-    ++o1[static_cast<std::size_t>(r.tokens[0])];
-    ++o12[static_cast<std::size_t>(r.tokens[0] * V + r.tokens[1])];
-    steps += r.stats.steps;
-    tokens += r.stats.new_tokens;
-  }
-  result res;
-  res.first = stats::chi2_test(q1, o1, trials);
-  res.first_two = stats::chi2_test(p12, o12, trials);
-  res.per_step = tokens / steps;
-  return res;
-}
-
-// As `first_two`, and also the second and third tokens jointly (the first tree step's first two
-// emissions when its first draft is accepted) against the exact warped target, summed over the
-// first token.
+// The first three tokens of `trials` generations after `prompt` (seed = trial) against the exact
+// warped target: the first alone (drawn from the prefill's logits), the first two jointly (the
+// second comes from the first step's drafts), and the second and third jointly, summed over the
+// first (the first step's first two emissions when its first draft is accepted).
 template <class Drafts>
 result first_three(tiny::tiny_model& target, const std::vector<std::int32_t>& prompt, const Drafts& drafts,
                    const medusa::sampling_warp& warp, int trials) {

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Speculative sampling with a draft model (draft_sampler.hpp): chains sampled from the draft's own
 // warped distribution and verified with `speculative_policy` against each node's draft row keep
-// the target's distribution exactly (chi-square on the first two generated tokens through the
+// the target's distribution exactly (chi-square on the first three generated tokens through the
 // decoder, a draft unlike the target and the target as its own draft, several warps); the test
 // catches a biased variant; T = 0 is greedy decoding; the rows are the distributions drawn from.
 #include "sampled_chains.hpp"
@@ -48,10 +48,10 @@ struct claims_hotter {
   std::span<const float> draft_probs(int) const { return hot; }
 };
 
-// The first two tokens through the decoder, after this file's prompt.
+// The first three tokens through the decoder, after this file's prompt.
 template <class Drafts>
-sampled_chains::result first_two(tiny_model& target, const Drafts& drafts, const medusa::sampling_warp& warp, int n) {
-  return sampled_chains::first_two(target, prompt, drafts, warp, n);
+sampled_chains::result first_three(tiny_model& target, const Drafts& drafts, const medusa::sampling_warp& warp, int n) {
+  return sampled_chains::first_three(target, prompt, drafts, warp, n);
 }
 
 }  // namespace
@@ -62,7 +62,7 @@ TEST_CASE("sampled draft chains verified with their rows keep the target's distr
   for (const auto& w : warps)
     for (tiny_model* d : {&unlike, &same}) {
       const medusa::draft_model_sampler<tiny_model> drafts(*d, V, {.max_tokens = 3, .warp = w});
-      const auto r = first_two(target, drafts, w, trials);
+      const auto r = first_three(target, drafts, w, trials);
       const std::string which = d == &same ? " (the target as draft)" : " (another model as draft)";
       INFO("T=" << w.temperature << " top_p=" << w.top_p << " top_k=" << w.top_k << which);
       MESSAGE("T=" << w.temperature << " top_p=" << w.top_p << " top_k=" << w.top_k << which
@@ -72,6 +72,8 @@ TEST_CASE("sampled draft chains verified with their rows keep the target's distr
       CHECK(!r.first_two.impossible);
       CHECK(r.first.p > 0.001);
       CHECK(r.first_two.p > 0.001);
+      CHECK(!r.second_third.impossible);
+      CHECK(r.second_third.p > 0.001);
       if (d == &same) CHECK(r.per_step > 2.9);  // q = p: every draft accepted (3 tokens, the limit)
       else CHECK(r.per_step > 1.05);            // some drafts accepted: the residual path is exercised too
     }
@@ -81,7 +83,7 @@ TEST_CASE("the chi-square check catches rows that are not the distribution drawn
   tiny_model target(64), unlike(64, 11);
   const medusa::sampling_warp w{.temperature = 1.0f};
   const claims_hotter<tiny_model> biased{medusa::draft_model_sampler<tiny_model>(unlike, V, {.max_tokens = 3, .warp = w}), {}};
-  const auto r = first_two(target, biased, w, 30000);
+  const auto r = first_three(target, biased, w, 30000);
   MESSAGE("biased rows: chi2(first two)=" << r.first_two.stat << "/" << r.first_two.dof << " p=" << r.first_two.p);
   CHECK(r.first_two.p < 1e-6);  // the first token is the prefill's own draw: the drafts decide the second
 }

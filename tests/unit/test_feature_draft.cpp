@@ -224,7 +224,7 @@ TEST_CASE("sampled feature-drafter chains keep the target's distribution; T = 0 
       random_drafter rnd(7);
       auto check = [&](auto& model) {
         const medusa::feature_draft_sampler<std::remove_reference_t<decltype(model)>> drafts(model, V, D, {.max_tokens = 3, .warp = w});
-        const auto r = sampled_chains::first_two(target, prompt, drafts, w, sampled_chains::trials / 3);
+        const auto r = sampled_chains::first_three(target, prompt, drafts, w, sampled_chains::trials / 3);
         INFO("T=" << w.temperature << " top_p=" << w.top_p << std::string(oracle_kind ? " (oracle)" : " (random drafter)"));
         MESSAGE("T=" << w.temperature << " top_p=" << w.top_p << std::string(oracle_kind ? " (oracle)" : " (random drafter)")
                      << ": chi2(first two)=" << r.first_two.stat << "/" << r.first_two.dof << " p=" << r.first_two.p
@@ -232,6 +232,8 @@ TEST_CASE("sampled feature-drafter chains keep the target's distribution; T = 0 
         CHECK(!r.first_two.impossible);
         CHECK(r.first.p > 0.001);
         CHECK(r.first_two.p > 0.001);
+        CHECK(!r.second_third.impossible);
+        CHECK(r.second_third.p > 0.001);
         if (oracle_kind) CHECK(r.per_step > 2.9);  // q = p: every draft accepted (3 tokens, the limit)
         else CHECK(r.per_step > 1.01);
       };
