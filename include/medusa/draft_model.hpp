@@ -167,11 +167,13 @@ class draft_model_branch {
 
   //! `tree_draft_batch_source` (a draft that serves many requests): every request's catch-up in
   //! one ragged pass; `rows[i]` = what `draft_root` gives for call i alone (empty where its history
-  //! fills the draft's context). The requests must differ. Throws as `find` does.
+  //! fills the draft's context). Throws as `find` does, and `invalid_input` for a request that
+  //! appears twice.
   void draft_roots(std::span<const draft_root_call> calls, std::span<std::span<const float>> rows)
     requires batched
   {
     state& s = *state_;
+    check_distinct(calls);
     batch_.clear();
     for (std::size_t i = 0; i < calls.size(); ++i) {
       rows[i] = {};
@@ -204,11 +206,13 @@ class draft_model_branch {
 
   //! `tree_draft_batch_source`: every request's tree pass in one ragged pass, each with its own
   //! mask (or causal past a chain's cached rows); `rows[i]` = what `draft_pass` gives for call i
-  //! alone (empty where it does not fit the draft's context or pool). The requests must differ.
+  //! alone (empty where it does not fit the draft's context or pool). Throws `invalid_input` for a
+  //! request that appears twice, and what the draft's forward throws.
   void draft_passes(std::span<const draft_pass_call> calls, std::span<std::span<const float>> rows)
     requires batched
   {
-    state& s = *state_;
+    const state& s = *state_;
+    check_distinct(calls);
     batch_.clear();
     for (std::size_t i = 0; i < calls.size(); ++i) {
       rows[i] = {};
@@ -329,6 +333,15 @@ class draft_model_branch {
       b.hidden = s.tree_hidden;
       s.model->forward(b);
     }, static_cast<int>(batch_.tokens.size()));
+  }
+
+  // Throws `invalid_input` when a request has two calls in one batched pass (one cache each).
+  template <class Call>
+  static void check_distinct(std::span<const Call> calls) {
+    for (std::size_t i = 0; i < calls.size(); ++i)
+      for (std::size_t j = 0; j < i; ++j)
+        if (calls[i].request == calls[j].request)
+          throw invalid_input("draft model: request " + std::to_string(calls[i].request) + " appears twice in one batched pass");
   }
 
   // Throws `invalid_input` for a history token outside the draft's vocabulary.

@@ -205,8 +205,8 @@ class tree_drafter {
 
   //! Every request's tree of a step (`batch_step_drafts`): the same trees as `draft` for each
   //! alone, grown depth by depth together, with one drafter pass per depth for all the requests
-  //! still growing when the source is a `tree_draft_batch_source` (else one per request). The
-  //! requests must differ. Throws as `draft`.
+  //! still growing when the source is a `tree_draft_batch_source` (else one per request). Throws
+  //! as `draft`, and `invalid_input` when a request appears twice.
   void draft_batch(std::span<step_draft_call> calls, int vocab) { grow_all(calls, vocab, {}); }
 
   //! Whether the decoders should pass the target's features (the source reads them).
@@ -276,6 +276,10 @@ class tree_drafter {
       throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter has a vocabulary of " +
                                                                  std::to_string(source_.vocab_size()) + ", the target " +
                                                                  std::to_string(vocab));
+    for (std::size_t i = 0; i < calls.size(); ++i)
+      for (std::size_t j = 0; j < i; ++j)
+        if (calls[i].request == calls[j].request)
+          throw invalid_input("draft tree: request " + std::to_string(calls[i].request) + " appears twice in one batch of drafts");
     for (const step_draft_call& c : calls)
       if (static_cast<int>(c.node_tokens.size()) < max_nodes_)
         throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: node_tokens holds " +

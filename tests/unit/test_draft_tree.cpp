@@ -391,6 +391,11 @@ TEST_CASE("a batch's trees grow together, one draft pass per depth, each the tre
       CHECK(std::equal(own.begin(), own.begin() + t->num_nodes(), tokens[i].begin()));
     }
     MESSAGE("draft passes: " << bt.passes() << " together, " << ba.passes() << " one request at a time");
+    calls[1].request = calls[0].request;
+    CHECK_THROWS_WITH_AS(dt.draft_batch(calls, V), doctest::Contains("appears twice"), medusa::invalid_input);
+    const std::vector<medusa::draft_root_call> twice = {{4, histories[0]}, {4, histories[1]}};
+    std::vector<std::span<const float>> rows(2);
+    CHECK_THROWS_WITH_AS(bt.draft_roots(twice, rows), doctest::Contains("appears twice"), medusa::invalid_input);
     CHECK(bt.passes() < ba.passes());
     CHECK(bt.passes() <= shape.max_depth);  // the roots, then one pass a depth
   }
