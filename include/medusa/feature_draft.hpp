@@ -178,9 +178,9 @@ class feature_draft_branch {
     check_history(request, r, history);
     if (n - 1 > context() || n - 1 - r.fed < 1) return {};
     // The root's row (position n − 2) runs again in every pass of the tree: keep its real feature.
-    s.root_feature.assign(r.pending.end() - static_cast<std::ptrdiff_t>(d), r.pending.end());
+    r.root_feature.assign(r.pending.end() - static_cast<std::ptrdiff_t>(d), r.pending.end());
     catch_up(request, r, history);
-    s.node_features.assign(s.hidden.begin(), s.hidden.end());  // node 0's: the root's predicted feature
+    r.node_features.assign(s.hidden.begin(), s.hidden.end());  // node 0's: the root's predicted feature
     return s.logits;
   }
 
@@ -196,20 +196,23 @@ class feature_draft_branch {
     const auto d = static_cast<std::size_t>(s.model->hidden_size());
     const auto V = static_cast<std::size_t>(s.model->vocab_size());
     if (n < 2 || n - 2 + T > context()) return {};
+    request_state& r = s.requests[request];
     // Rows [c, T) run after slot n − 2 + c: all of them with the tree's mask, or a chain's last.
     const int c = pass.cached, R = T - c;
     s.tree_features.resize(static_cast<std::size_t>(R) * d);
     for (int i = c; i < T; ++i) {
       const auto row = s.tree_features.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(i - c) * d);
       if (i == 0) {
-        std::copy(s.root_feature.begin(), s.root_feature.end(), row);
+        if (r.root_feature.size() != d)
+          throw invalid_input("feature drafter: request " + std::to_string(request) + " runs a tree pass before its root's");
+        std::copy(r.root_feature.begin(), r.root_feature.end(), row);
         continue;
       }
       const auto parent = static_cast<std::size_t>(pass.ids[static_cast<std::size_t>(pass.shape.parent(i))]);
-      if ((parent + 1) * d > s.node_features.size())
+      if ((parent + 1) * d > r.node_features.size())
         throw invalid_input("feature drafter: a draft tree's pass expands node " + std::to_string(parent) +
                             " before its own row ran");
-      std::copy_n(s.node_features.begin() + static_cast<std::ptrdiff_t>(parent * d), d, row);
+      std::copy_n(r.node_features.begin() + static_cast<std::ptrdiff_t>(parent * d), d, row);
     }
     s.positions.resize(static_cast<std::size_t>(R));
     for (int i = 0; i < R; ++i) s.positions[static_cast<std::size_t>(i)] = n - 2 + pass.shape.node_depth(c + i);
@@ -229,9 +232,9 @@ class feature_draft_branch {
     forward(b);
     for (std::size_t j = 0; j < outs; ++j) {
       const auto id = static_cast<std::size_t>(pass.ids[static_cast<std::size_t>(T) - outs + j]);
-      if (s.node_features.size() < (id + 1) * d) s.node_features.resize((id + 1) * d);
+      if (r.node_features.size() < (id + 1) * d) r.node_features.resize((id + 1) * d);
       std::copy_n(s.tree_hidden.begin() + static_cast<std::ptrdiff_t>(j * d), d,
-                  s.node_features.begin() + static_cast<std::ptrdiff_t>(id * d));
+                  r.node_features.begin() + static_cast<std::ptrdiff_t>(id * d));
     }
     return s.tree_logits;
   }
@@ -253,6 +256,9 @@ class feature_draft_branch {
   struct request_state {
     int fed = 0;                 // cache slots [0, fed) hold rows made from real features
     std::vector<float> pending;  // real features of positions [fed, fed + pending/hidden)
+    // A draft tree's step: the root row's real feature and each expanded node's predicted feature
+    // (`[id][hidden]`, node 0 the root), kept per request while a batch's trees grow together.
+    std::vector<float> root_feature, node_features;
   };
   struct state {
     Model* model = nullptr;
@@ -260,9 +266,8 @@ class feature_draft_branch {
     std::map<int, request_state> requests;
     std::vector<std::int32_t> positions;
     std::vector<float> logits, hidden, feature;
-    // A draft tree's step: the root row's real feature, each expanded node's predicted feature
-    // (`[id][hidden]`, node 0 the root), a pass's input features and its output rows.
-    std::vector<float> root_feature, node_features, tree_features, tree_logits, tree_hidden;
+    // A draft tree pass's input features and its output rows.
+    std::vector<float> tree_features, tree_logits, tree_hidden;
     std::int64_t tokens_run = 0, passes = 0;
     double seconds = 0;
   };

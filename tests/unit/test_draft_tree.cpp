@@ -142,6 +142,10 @@ struct masked_feature_drafter {
   std::map<int, std::vector<float>> caches;
   std::vector<float> a, bt;
   int tree_passes = 0;
+  // Each request's features by position from its causal passes (its real ones where it caught up),
+  // and the tree passes whose root row came with another feature than the request's own.
+  std::map<int, std::map<int, std::vector<float>>> seen;
+  int root_mismatches = 0;
 
   int vocab_size() const { return V; }
   int hidden_size() const { return D; }
@@ -161,6 +165,14 @@ struct masked_feature_drafter {
     slots.resize(static_cast<std::size_t>(b.cache_length));
     const int T = static_cast<int>(b.tokens.size());
     if (!b.tree_mask.empty()) ++tree_passes;
+    if (b.tree_mask.empty()) {
+      for (int i = 0; i < T; ++i)
+        seen[b.request][b.positions[static_cast<std::size_t>(i)]].assign(b.features.begin() + static_cast<std::ptrdiff_t>(i) * D,
+                                                                         b.features.begin() + static_cast<std::ptrdiff_t>(i + 1) * D);
+    } else {
+      const auto& known = seen[b.request][b.positions[0]];
+      if (!std::equal(known.begin(), known.end(), b.features.begin()) || known.empty()) ++root_mismatches;
+    }
     float prefix = 0;
     for (const float s : slots) prefix += s;
     std::vector<float> state(static_cast<std::size_t>(T));
@@ -357,6 +369,7 @@ TEST_CASE("a feature drafter's trees are lossless: each node's row takes its par
     const auto r = dec.generate(prompt, opt);
     CHECK(r.tokens == plain.tokens);
     CHECK((model.tree_passes > 0) == (expand > 1));  // expand 1: chains, each new row after the cached ones
+    CHECK(model.root_mismatches == 0);               // a tree pass's root row: the real feature
     MESSAGE("feature trees, expand " << expand << ": " << r.stats.steps << " steps for " << r.stats.new_tokens << " tokens");
   }
 }
@@ -473,5 +486,43 @@ TEST_CASE("a drafter row that fails one request of a batch's drafts fails that r
     INFO("request " << r << ": " << out[r].error_message());
     tiny_model alone(512);
     CHECK(out[r].result.tokens == medusa::generate_vanilla(alone, prompts[static_cast<std::size_t>(r - 10)], medusa::greedy_policy{}, opt).tokens);
+  }
+}
+
+TEST_CASE("a feature drafter's trees in a batch are each request's own: the steps each takes alone") {
+  tiny_model target(512);
+  const std::vector<std::vector<std::int32_t>> prompts = {{1, 5, 9, 13}, {3, 3, 8}, {20, 1, 2, 30, 4, 11, 6}};
+  const medusa::draft_tree_options shape{.max_nodes = 8, .max_depth = 4, .topk = 2, .expand = 2};
+  medusa::decode_options opt;
+  opt.max_new_tokens = 40;
+  medusa::no_heads none;
+  // Serves `which` prompts in one batch; each request's (steps, tokens).
+  int mismatches = 0;
+  auto serve = [&](const std::vector<int>& which) {
+    tiny::batch_engine engine(target, 512);
+    masked_feature_drafter model(5);
+    medusa::feature_draft_branch<masked_feature_drafter> b(model, tiny_model::vocab, tiny_model::dim);
+    medusa::batch_decoder dec(engine, none, medusa::tree_drafter(b, shape), medusa::greedy_policy{}, 4);
+    for (const int i : which) dec.join(i, prompts[static_cast<std::size_t>(i)], opt);
+    std::map<int, std::pair<int, std::vector<std::int32_t>>> out;
+    while (dec.size() > 0)
+      for (auto& u : dec.step())
+        if (u.finished) {
+          REQUIRE_FALSE(u.error);
+          out[u.request] = {u.result.stats.steps, u.result.tokens};
+        }
+    CHECK(model.tree_passes > 0);
+    mismatches += model.root_mismatches;
+    return out;
+  };
+  const auto together = serve({0, 1, 2});
+  CHECK(mismatches == 0);  // every tree pass's root row had its own request's real feature
+  for (int i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    const auto alone = serve({i});
+    CHECK(together.at(i).first == alone.at(i).first);  // the same drafts accepted: the same steps
+    CHECK(together.at(i).second == alone.at(i).second);
+    tiny_model plain(512);
+    CHECK(alone.at(i).second == medusa::generate_vanilla(plain, prompts[static_cast<std::size_t>(i)], medusa::greedy_policy{}, opt).tokens);
   }
 }
