@@ -23,9 +23,14 @@
 //! (e.g. `rejection_policy`) keep the target's distribution, with a point mass as each node's
 //! draft distribution.
 //!
-//! `tree_sampler` grows the same trees from *sampled* tokens, for `speculative_policy` at T > 0:
-//! each node's children are drawn without replacement from the drafter's warped distribution at
-//! that node, and every node comes with the distribution its token was drawn from (see the class).
+//! `tree_sampler` grows trees of *sampled* tokens, for `speculative_policy` at T > 0: each node's
+//! children are drawn without replacement from the drafter's warped distribution at that node,
+//! every draw is kept, and every node comes with the distribution its token was drawn from (see
+//! the class).
+//!
+//! `draft_batch` grows the trees of all the requests of a serving step together: with a
+//! `tree_draft_batch_source` (`draft_model_branch` over a `batch_decoder_model`), one drafter pass
+//! per depth for the whole batch; `batch_decoder` calls it (`batch_step_drafts`, drafts.hpp).
 //!
 //! @code
 //! medusa::feature_draft_branch<medusa_llama::eagle_engine> eagle(drafter, target.vocab_size(), target.hidden_size());
