@@ -131,38 +131,14 @@ class draft_model_branch {
 
   //! `tree_draft_source`: runs a draft tree's pass (the root again, at slot `n − 1` of a history
   //! of n tokens, and the pass's nodes after it, with the tree's mask; or a chain's rows past
-  //! `pass.cached`) and returns the logit rows of its last `pass.outputs` nodes; empty when the pass does not fit the draft's context or its
-  //! pool. The cache keeps the history only: the nodes' slots are overwritten by the next call.
+  //! `pass.cached`) and returns the logit rows of its last `pass.outputs` nodes; empty when the
+  //! pass does not fit the draft's context or its pool. The cache keeps the history only: the
+  //! nodes' slots are overwritten by the next call.
   std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const draft_tree_pass& pass) {
-    state& s = *state_;
-    const int n = static_cast<int>(history.size());
-    const int T = pass.shape.num_nodes();
-    if (n == 0 || n - 1 + T > context(request)) return {};
-    // Rows [c, T) run after slot n − 1 + c: all of them with the tree's mask, or a chain's last.
-    const int c = pass.cached, R = T - c;
-    const auto V = static_cast<std::size_t>(s.model->vocab_size());
-    s.positions.resize(static_cast<std::size_t>(R));
-    for (int i = 0; i < R; ++i) s.positions[static_cast<std::size_t>(i)] = n - 1 + pass.shape.node_depth(c + i);
-    s.tree_logits.resize(static_cast<std::size_t>(R) * V);
-    s.tree_hidden.resize(static_cast<std::size_t>(R) * static_cast<std::size_t>(s.model->hidden_size()));
-    const tree_mask_view mask = c == 0 ? pass.shape.mask_view() : tree_mask_view{};
-    const int lengths[1] = {n - 1 + c}, indptr[2] = {0, R};
-    if (!reserve(request, n - 1 + T)) return {};
-    timed([&] {
-      as_batch([&](auto& m) {
-        ragged_batch b;
-        b.requests = std::span<const int>(&request, 1);
-        b.qo_indptr = indptr;
-        b.tokens = pass.tokens.subspan(static_cast<std::size_t>(c), static_cast<std::size_t>(R));
-        b.positions = s.positions;
-        b.cache_lengths = lengths;
-        if (c == 0) b.request_masks = std::span<const tree_mask_view>(&mask, 1);
-        b.logits = s.tree_logits;
-        b.hidden = s.tree_hidden;
-        m.forward(b);
-      });
-    }, R);
-    return std::span<const float>(s.tree_logits).subspan(static_cast<std::size_t>(R - pass.outputs) * V);
+    const draft_pass_call call{request, history, &pass};
+    std::span<const float> rows;
+    run_passes(std::span<const draft_pass_call>(&call, 1), std::span<std::span<const float>>(&rows, 1));
+    return rows;
   }
 
   //! `tree_draft_batch_source` (a draft that serves many requests): every request's catch-up in
@@ -182,15 +158,9 @@ class draft_model_branch {
       const int n = static_cast<int>(history.size());
       check_history(history);
       if (n == 0 || n > context(request)) continue;
-      // The cache is right up to the common prefix; the root itself is always run (its logits).
-      std::vector<std::int32_t>& cached = s.cached[request];
-      int keep = 0;
-      const int common = std::min(static_cast<int>(cached.size()), n - 1);
-      while (keep < common && cached[static_cast<std::size_t>(keep)] == history[static_cast<std::size_t>(keep)]) ++keep;
-      cached.assign(history.begin(), history.begin() + keep);
-      if (!reserve(request, n))
-        throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " + std::to_string(n) + " slots");
-      batch_.add(request, history.subspan(static_cast<std::size_t>(keep)), keep, i);
+      const int keep = keep_cached(request, history);
+      map_slots(request, n);
+      batch_.add(request, history.subspan(static_cast<std::size_t>(keep)), keep, i, {}, [&](int j) { return keep + j; });
     }
     if (batch_.empty()) return;
     run_batch(/*last_row_only=*/true);
@@ -211,31 +181,8 @@ class draft_model_branch {
   void draft_passes(std::span<const draft_pass_call> calls, std::span<std::span<const float>> rows)
     requires batched
   {
-    const state& s = *state_;
     check_distinct(calls);
-    batch_.clear();
-    for (std::size_t i = 0; i < calls.size(); ++i) {
-      rows[i] = {};
-      const draft_tree_pass& pass = *calls[i].pass;
-      const int request = calls[i].request;
-      const int n = static_cast<int>(calls[i].history.size());
-      const int T = pass.shape.num_nodes();
-      if (n == 0 || n - 1 + T > context(request) || !reserve(request, n - 1 + T)) continue;
-      const int c = pass.cached;
-      batch_.add(request, pass.tokens.subspan(static_cast<std::size_t>(c), static_cast<std::size_t>(T - c)), n - 1 + c, i,
-                 c == 0 ? pass.shape.mask_view() : tree_mask_view{});
-      // Tree rows sit at the root's position plus their depth.
-      for (int r = 0; r < T - c; ++r) batch_.positions[batch_.positions.size() - static_cast<std::size_t>(T - c - r)] = n - 1 + pass.shape.node_depth(c + r);
-    }
-    if (batch_.empty()) return;
-    run_batch(/*last_row_only=*/false);
-    const auto V = static_cast<std::size_t>(s.model->vocab_size());
-    for (std::size_t b = 0; b < batch_.calls.size(); ++b) {
-      const std::size_t i = batch_.calls[b];
-      const auto end = static_cast<std::size_t>(batch_.indptr[b + 1]);
-      const auto outputs = static_cast<std::size_t>(calls[i].pass->outputs);
-      rows[i] = std::span<const float>(s.tree_logits).subspan((end - outputs) * V, outputs * V);
-    }
+    run_passes(calls, rows);
   }
 
   //! The request left: its draft cache holds nothing of use any more (a batch draft that frees
@@ -261,7 +208,7 @@ class draft_model_branch {
     std::map<int, std::vector<std::int32_t>> cached;  // per request: the tokens its draft cache holds, slot by slot
     std::vector<std::int32_t> positions;
     std::vector<float> logits, hidden;  // hidden: not read, but models may write it unasked
-    std::vector<float> tree_logits, tree_hidden;  // a draft tree pass's rows
+    std::vector<float> tree_logits, tree_hidden;  // a tree pass's or a batched pass's rows
     std::int64_t tokens_run, passes;
     double seconds;
   };
@@ -300,17 +247,47 @@ class draft_model_branch {
       calls.clear();
     }
     [[nodiscard]] bool empty() const noexcept { return requests.empty(); }
-    // `rows` of `request` at slots from `length` on (positions consecutive), for call `call`.
-    void add(int request, std::span<const std::int32_t> rows, int length, std::size_t call, tree_mask_view mask = {}) {
+    // `rows` of `request` at slots from `length` on, row i at `position(i)`, for call `call`.
+    template <class Position>
+    void add(int request, std::span<const std::int32_t> rows, int length, std::size_t call, tree_mask_view mask,
+             Position&& position) {
       requests.push_back(request);
       lengths.push_back(length);
       tokens.insert(tokens.end(), rows.begin(), rows.end());
-      for (int i = 0; i < static_cast<int>(rows.size()); ++i) positions.push_back(length + i);
+      for (int i = 0; i < static_cast<int>(rows.size()); ++i) positions.push_back(position(i));
       indptr.push_back(static_cast<int>(tokens.size()));
       masks.push_back(mask);
       calls.push_back(call);
     }
   };
+
+  // The tree passes of `calls` as one ragged pass (`draft_pass`, `draft_passes`).
+  void run_passes(std::span<const draft_pass_call> calls, std::span<std::span<const float>> rows) {
+    const state& s = *state_;
+    batch_.clear();
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      rows[i] = {};
+      const draft_tree_pass& pass = *calls[i].pass;
+      const int request = calls[i].request;
+      const int n = static_cast<int>(calls[i].history.size());
+      const int T = pass.shape.num_nodes();
+      if (n == 0 || n - 1 + T > context(request) || !reserve(request, n - 1 + T)) continue;
+      const int c = pass.cached;
+      // Rows [c, T) run after slot n − 1 + c, each at the root's position plus its depth: all of
+      // them with the tree's mask, or a chain's last (causal).
+      batch_.add(request, pass.tokens.subspan(static_cast<std::size_t>(c), static_cast<std::size_t>(T - c)), n - 1 + c, i,
+                 c == 0 ? pass.shape.mask_view() : tree_mask_view{}, [&](int j) { return n - 1 + pass.shape.node_depth(c + j); });
+    }
+    if (batch_.empty()) return;
+    run_batch(/*last_row_only=*/false);
+    const auto V = static_cast<std::size_t>(s.model->vocab_size());
+    for (std::size_t b = 0; b < batch_.calls.size(); ++b) {
+      const std::size_t i = batch_.calls[b];
+      const auto end = static_cast<std::size_t>(batch_.indptr[b + 1]);
+      const auto outputs = static_cast<std::size_t>(calls[i].pass->outputs);
+      rows[i] = std::span<const float>(s.tree_logits).subspan((end - outputs) * V, outputs * V);
+    }
+  }
 
   // Runs `batch_` as one forward pass; its logits go to `state_->tree_logits` (`[rows][vocab]`, or
   // `[requests][vocab]` for the last rows only).
@@ -331,7 +308,7 @@ class draft_model_branch {
       b.last_row_only = last_row_only;
       b.logits = s.tree_logits;
       b.hidden = s.tree_hidden;
-      s.model->forward(b);
+      as_batch([&](auto& m) { m.forward(b); });
     }, static_cast<int>(batch_.tokens.size()));
   }
 
@@ -362,15 +339,28 @@ class draft_model_branch {
     const int n = static_cast<int>(history.size());
     check_history(history);
     if (n > context(request)) return false;
-    // The cache is right up to the common prefix; the root itself is always run (its logits).
-    std::vector<std::int32_t>& cached = s.cached[request];
+    const int keep = keep_cached(request, history);
+    run(request, history.subspan(static_cast<std::size_t>(keep)), keep);
+    s.cached[request].insert(s.cached[request].end(), history.begin() + keep, history.end());
+    return true;
+  }
+
+  // How much of `history` the draft's cache still holds: its common prefix with what the cache
+  // holds, short of the root, which is always run again (its logits). The cache's record is cut
+  // to it.
+  int keep_cached(int request, std::span<const std::int32_t> history) {
+    std::vector<std::int32_t>& cached = state_->cached[request];
     int keep = 0;
-    const int common = std::min(static_cast<int>(cached.size()), n - 1);
+    const int common = std::min(static_cast<int>(cached.size()), static_cast<int>(history.size()) - 1);
     while (keep < common && cached[static_cast<std::size_t>(keep)] == history[static_cast<std::size_t>(keep)]) ++keep;
     cached.assign(history.begin(), history.begin() + keep);
-    run(request, history.subspan(static_cast<std::size_t>(keep)), keep);
-    cached.insert(cached.end(), history.begin() + keep, history.end());
-    return true;
+    return keep;
+  }
+
+  // `reserve`, throwing `kv_cache_error` (`pool_exhausted`) when the pool grants fewer slots.
+  void map_slots(int request, int slots) {
+    if (!reserve(request, slots))
+      throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " + std::to_string(slots) + " slots");
   }
 
   // Makes slots [0, slots) of `request` addressable in a draft that maps its cache on demand; false
@@ -404,8 +394,7 @@ class draft_model_branch {
     for (int i = 0; i < T; ++i) s.positions[static_cast<std::size_t>(i)] = length + i;
     s.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
     s.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
-    if (!reserve(request, length + T))
-      throw kv_cache_error(kv_errc::pool_exhausted, "draft model: its cache could not map " + std::to_string(length + T) + " slots");
+    map_slots(request, length + T);
     timed([&] {
       as_batch([&](auto& m) {
         detail::forward_request(m, request, tokens, s.positions, length, /*last_row_only=*/true, s.logits, s.hidden);
