@@ -527,9 +527,6 @@ class batch_decoder {
     return b;
   }
 
-  // Maps (hook) and checks slots [L, L + count) of a request before a forward writes them, and
-  // returns how many of the `count` the engine could map (all, unless its `reserve` grants fewer).
-  // A model that commits itself is checked against its context before it maps anything.
   // The per-step drafts of every tree request, drafted together (`batch_step_drafts`, e.g. one
   // draft pass per depth for all of them): their trees and tokens wait in the slots. When the
   // drafter throws, each request drafts alone in the step's loop, so that only the one at fault
@@ -565,6 +562,9 @@ class batch_decoder {
     }
   }
 
+  // Maps (hook) and checks slots [L, L + count) of a request before a forward writes them, and
+  // returns how many of the `count` the engine could map (all, unless its `reserve` grants fewer).
+  // A model that commits itself is checked against its context before it maps anything.
   int prepare_append(slot& s, int L, int count) {
     if constexpr (kv_committing_model<Model>) detail::kv_check_append_within(context_of(s.id), L, count);
     int fit = count;
