@@ -144,7 +144,9 @@ struct draft_pass_call {
 //! `draft_root(calls[i].request, calls[i].history)` returns, `draft_passes(calls, rows)` to what
 //! `draft_pass(...)` returns, each request's rows as if run alone. The spans stay valid until the
 //! source's next call. `tree_drafter::draft_batch` then grows every request's tree with one
-//! drafter pass per depth.
+//! drafter pass per depth. A source that knows only at run time whether it batches (one that
+//! erases its drafter's type) may add `bool batches() const`: false makes `tree_drafter` call
+//! `draft_root` and `draft_pass` one request at a time.
 template <class S>
 concept tree_draft_batch_source =
     tree_draft_source<S> && requires(S& s, std::span<const draft_root_call> roots, std::span<const draft_pass_call> passes,
@@ -317,7 +319,7 @@ class tree_drafter {
       warp_ids_.resize(v);
       keys_.resize(v);
     }
-    for_each_root([&](std::size_t k, std::span<const float> root) {
+    for_each_rows(roots_, [&](std::size_t k, std::span<const float> root) {
       growth& g = growths_[which_[k]];
       if (root.empty()) return;
       if (root.size() < v) throw acceptance_error(acceptance_errc::size_mismatch, "draft tree: the drafter's root row is short");
@@ -351,7 +353,7 @@ class tree_drafter {
       pass_calls_.clear();
       for (std::size_t k = 0; k < which_.size(); ++k)
         pass_calls_.push_back({calls[which_[k]].request, calls[which_[k]].history, &passes_[k]});
-      for_each_pass([&](std::size_t k, std::span<const float> out) {
+      for_each_rows(pass_calls_, [&](std::size_t k, std::span<const float> out) {
         growth& g = growths_[which_[k]];
         if (out.empty()) {  // the pass does not fit the drafter's context: the tree stops growing
           g.growing = false;
@@ -365,34 +367,39 @@ class tree_drafter {
       if (!growths_[i].nodes.empty()) calls[i].result = build(growths_[i], calls[i], vocab, rows.empty() ? nullptr : rows[i]);
   }
 
-  // The source's root rows for `roots_`, handed to `use(k, row)` in order: one pass for all, or
-  // one a request (each row is then used before the next call, which may overwrite it).
-  template <class Use>
-  void for_each_root(Use&& use) {
+  // The source's rows for `calls` (`roots_` or `pass_calls_`), handed to `use(k, rows)` in order:
+  // one pass for all, or one a request (each row is then used before the next call, which may
+  // overwrite it).
+  template <class Call, class Use>
+  void for_each_rows(const std::vector<Call>& calls, Use&& use) {
     if constexpr (tree_draft_batch_source<Source>) {
-      if (roots_.size() > 1) {
-        rows_.assign(roots_.size(), {});
-        source_.draft_roots(std::span<const draft_root_call>(roots_), std::span<std::span<const float>>(rows_));
-        for (std::size_t k = 0; k < roots_.size(); ++k) use(k, rows_[k]);
+      if (calls.size() > 1 && source_batches()) {
+        rows_.assign(calls.size(), {});
+        run_batched(std::span<const Call>(calls), std::span<std::span<const float>>(rows_));
+        for (std::size_t k = 0; k < calls.size(); ++k) use(k, rows_[k]);
         return;
       }
     }
-    for (std::size_t k = 0; k < roots_.size(); ++k) use(k, source_.draft_root(roots_[k].request, roots_[k].history));
+    for (std::size_t k = 0; k < calls.size(); ++k) use(k, run_one(calls[k]));
   }
-
-  // The same for the passes of `pass_calls_`.
-  template <class Use>
-  void for_each_pass(Use&& use) {
-    if constexpr (tree_draft_batch_source<Source>) {
-      if (pass_calls_.size() > 1) {
-        rows_.assign(pass_calls_.size(), {});
-        source_.draft_passes(std::span<const draft_pass_call>(pass_calls_), std::span<std::span<const float>>(rows_));
-        for (std::size_t k = 0; k < pass_calls_.size(); ++k) use(k, rows_[k]);
-        return;
-      }
-    }
-    for (std::size_t k = 0; k < pass_calls_.size(); ++k)
-      use(k, source_.draft_pass(pass_calls_[k].request, pass_calls_[k].history, *pass_calls_[k].pass));
+  [[nodiscard]] bool source_batches() const {
+    if constexpr (requires(const Source& src) {
+                    { src.batches() } -> std::convertible_to<bool>;
+                  })
+      return source_.batches();
+    else return true;
+  }
+  std::span<const float> run_one(const draft_root_call& c) { return source_.draft_root(c.request, c.history); }
+  std::span<const float> run_one(const draft_pass_call& c) { return source_.draft_pass(c.request, c.history, *c.pass); }
+  void run_batched(std::span<const draft_root_call> c, std::span<std::span<const float>> rows)
+    requires tree_draft_batch_source<Source>
+  {
+    source_.draft_roots(c, rows);
+  }
+  void run_batched(std::span<const draft_pass_call> c, std::span<std::span<const float>> rows)
+    requires tree_draft_batch_source<Source>
+  {
+    source_.draft_passes(c, rows);
   }
 
   // The nodes of depth `depth` to expand next (`g.frontier`): the `expand` most probable, none below

@@ -434,6 +434,43 @@ TEST_CASE("a batch's trees grow together, one draft pass per depth, each the tre
   }
 }
 
+// A source whose batched members exist but are switched off at run time (`batches()`): the tree
+// drafter must call it one request at a time.
+struct unbatched_source {
+  medusa::draft_model_branch<tiny::batch_engine> inner;
+  int vocab_size() const { return inner.vocab_size(); }
+  bool batches() const { return false; }
+  std::span<const float> draft_root(int request, std::span<const std::int32_t> history) { return inner.draft_root(request, history); }
+  std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const medusa::draft_tree_pass& p) {
+    return inner.draft_pass(request, history, p);
+  }
+  void draft_roots(std::span<const medusa::draft_root_call>, std::span<std::span<const float>>) { FAIL("batched roots called"); }
+  void draft_passes(std::span<const medusa::draft_pass_call>, std::span<std::span<const float>>) { FAIL("batched passes called"); }
+};
+
+TEST_CASE("a source that does not batch at run time is called one request at a time, with the same trees") {
+  tiny_model draft_w(512, /*seed=*/11);
+  constexpr int V = tiny_model::vocab;
+  static_assert(medusa::tree_draft_batch_source<unbatched_source>);
+  tiny::batch_engine one(draft_w, 512), alone(draft_w, 512);
+  const medusa::draft_tree_options shape{.max_nodes = 8, .max_depth = 4, .topk = 2, .expand = 2};
+  medusa::tree_drafter<unbatched_source> d(unbatched_source{medusa::draft_model_branch<tiny::batch_engine>(one, V)}, shape);
+  medusa::tree_drafter<medusa::draft_model_branch<tiny::batch_engine>> a(medusa::draft_model_branch<tiny::batch_engine>(alone, V), shape);
+  const std::vector<std::vector<std::int32_t>> histories = {{1, 5, 9, 13}, {3, 3, 8, 20, 4}};
+  std::vector<std::vector<std::int32_t>> tokens(2, std::vector<std::int32_t>(static_cast<std::size_t>(d.max_nodes())));
+  std::vector<medusa::step_draft_call> calls;
+  for (std::size_t i = 0; i < 2; ++i) calls.push_back({static_cast<int>(i), histories[i], {}, tokens[i], 0, 0, std::nullopt});
+  d.draft_batch(calls, V);
+  for (std::size_t i = 0; i < 2; ++i) {
+    std::vector<std::int32_t> own(tokens[i].size());
+    const auto t = a.draft(static_cast<int>(i), histories[i], {}, V, own);
+    REQUIRE(t);
+    REQUIRE(calls[i].result);
+    CHECK(calls[i].result->sorted_paths() == t->sorted_paths());
+    CHECK(std::equal(own.begin(), own.begin() + t->num_nodes(), tokens[i].begin()));
+  }
+}
+
 // A batched draft model whose root row for one request holds a NaN.
 struct poisoned_source {
   medusa::draft_model_branch<tiny::batch_engine> inner;

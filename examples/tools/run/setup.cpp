@@ -91,7 +91,7 @@ medusa::draft_tree_options draft_tree_options_of(const run_args& a) {
 std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t, int heads, draft_source draft) {
   if (a.lookup == 0 && !a.dynamic && !draft.find) return std::nullopt;
   if (a.draft_nodes > 0)  // checked by the caller: a drafter alone
-    return run_drafter(medusa::tree_drafter<run_tree_source>(run_tree_source{{std::move(draft)}, {}}, draft_tree_options_of(a), lookup_of(a)));
+    return run_drafter(medusa::tree_drafter<run_tree_source>(run_tree_source{{std::move(draft)}}, draft_tree_options_of(a), lookup_of(a)));
   medusa::basic_step_drafter_options<run_branch> o;
   if (a.dynamic) o.dynamic_nodes = t.num_nodes();
   else if (!a.draft_alone) o.paths = t.sorted_paths();
@@ -106,7 +106,7 @@ std::optional<run_drafter> make_drafter(const run_args& a, const medusa::tree& t
 }
 
 medusa::tree_sampler<run_tree_source> make_tree_sampler(const run_args& a, draft_source draft, const medusa::sampling_warp& warp) {
-  return medusa::tree_sampler<run_tree_source>(run_tree_source{{std::move(draft)}, {}}, draft_tree_options_of(a), warp, lookup_of(a));
+  return medusa::tree_sampler<run_tree_source>(run_tree_source{{std::move(draft)}}, draft_tree_options_of(a), warp, lookup_of(a));
 }
 
 std::optional<medusa_llama::model> load_draft(const run_args& a, const medusa_llama::loaded_model& lm) {

@@ -218,26 +218,15 @@ struct run_tree_source : draft_hooks {
   std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const medusa::draft_tree_pass& p) {
     return draft.pass(request, history, p);
   }
-  // The batched passes; a drafter without them runs the requests one by one. Then each row is
-  // copied, since the drafter's next call may overwrite its spans.
+  // The batched passes, where the drafter has them (a draft model over the serving engine); the
+  // tree drafter runs the others one request at a time.
+  [[nodiscard]] bool batches() const { return static_cast<bool>(draft.roots); }
   void draft_roots(std::span<const medusa::draft_root_call> calls, std::span<std::span<const float>> rows) {
-    if (draft.roots) return draft.roots(calls, rows);
-    one_by_one(calls.size(), rows, [&](std::size_t i) { return draft.root(calls[i].request, calls[i].history); });
+    draft.roots(calls, rows);
   }
   void draft_passes(std::span<const medusa::draft_pass_call> calls, std::span<std::span<const float>> rows) {
-    if (draft.passes) return draft.passes(calls, rows);
-    one_by_one(calls.size(), rows, [&](std::size_t i) { return draft.pass(calls[i].request, calls[i].history, *calls[i].pass); });
+    draft.passes(calls, rows);
   }
-  template <class Run>
-  void one_by_one(std::size_t count, std::span<std::span<const float>> rows, Run&& run) {
-    copies.resize(count);
-    for (std::size_t i = 0; i < count; ++i) {
-      const std::span<const float> r = run(i);
-      copies[i].assign(r.begin(), r.end());
-      rows[i] = r.empty() ? std::span<const float>{} : std::span<const float>(copies[i]);
-    }
-  }
-  std::vector<std::vector<float>> copies;  // the rows of a drafter run one request at a time
 };
 
 // The branch of the per-step drafts: the prompt lookup's continuation where it finds one (--lookup),
