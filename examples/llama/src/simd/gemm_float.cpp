@@ -26,7 +26,6 @@ HWY_BEFORE_NAMESPACE();
 namespace medusa_llama::detail::HWY_NAMESPACE {
 namespace {
 
-constexpr int kPrefetch = 8;  // rows of k to prefetch ahead in each panel stream
 constexpr int kMaxTokens = std::min(8, kAccumulators / kPanelVectors);  // tokens per micro-tile, at most
 
 template <int MR, int NB>
@@ -51,7 +50,7 @@ HWY_NOINLINE void TileF32(const float* HWY_RESTRICT P, std::size_t ps, const flo
       const float* src = P + sz(b) * ps + sz(k) * 16;
       // Past the panel's end this touches the next panel or the allocation's tail: prefetches
       // never fault.
-      hwy::Prefetch(src + kPrefetch * 16);
+      hwy::Prefetch(src + kPrefetchAhead<NB> / sizeof(float));
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) w[b * V + v] = hn::Load(d, src + v * kLanes);
     }
@@ -85,7 +84,7 @@ HWY_NOINLINE void TileBF16(const std::uint16_t* HWY_RESTRICT P, std::size_t ps, 
 #pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
       const auto* src = reinterpret_cast<const std::uint32_t*>(P + sz(b) * ps + sz(kp) * 32);
-      hwy::Prefetch(src + kPrefetch * 16);
+      hwy::Prefetch(src + kPrefetchAhead<NB> / sizeof(float));
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) {
         const VU u = hn::Load(du, src + v * kLanes);

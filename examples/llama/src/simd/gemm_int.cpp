@@ -151,7 +151,7 @@ HWY_NOINLINE void TileI8(const std::int8_t* HWY_RESTRICT P, std::size_t ps, cons
 #pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
       const std::int8_t* src = P + sz(b) * ps + sz(kq) * 64;
-      hwy::Prefetch(src + 8 * 64);
+      hwy::Prefetch(src + kPrefetchAhead<NB>);
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) {
         w[b * V + v] = hn::Load(di, reinterpret_cast<const std::int32_t*>(src) + v * kLanes);
@@ -236,7 +236,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
 #pragma GCC unroll 8
         for (int b = 0; b < NB; ++b) {
           const std::uint8_t* src = P + sz(b) * ps + sz(blk) * block_bytes + sz(i) * 64;
-          hwy::Prefetch(src + 512);
+          hwy::Prefetch(src + kPrefetchAhead<NB>);
 #pragma GCC unroll 4
           for (int v = 0; v < V; ++v) {
             const auto raw = hn::Load(d8, src + v * 4 * kLanes);
@@ -263,7 +263,7 @@ HWY_NOINLINE void TileBlocks(const std::uint8_t* HWY_RESTRICT P, std::size_t ps,
 #pragma GCC unroll 8
         for (int b = 0; b < NB; ++b) {
           const std::uint8_t* src = P + sz(b) * ps + sz(blk) * block_bytes + sz(kq) * 64;
-          hwy::Prefetch(src + 512);
+          hwy::Prefetch(src + kPrefetchAhead<NB>);
 #pragma GCC unroll 4
           for (int v = 0; v < V; ++v) {
             w[b * V + v] = hn::BitCast(di, hn::Load(d8, src + v * 4 * kLanes));
