@@ -149,7 +149,7 @@ class draft_model_branch {
     requires batched
   {
     state& s = *state_;
-    check_distinct(calls);
+    detail::check_distinct_requests(calls, "draft model");
     batch_.clear();
     for (std::size_t i = 0; i < calls.size(); ++i) {
       rows[i] = {};
@@ -181,7 +181,7 @@ class draft_model_branch {
   void draft_passes(std::span<const draft_pass_call> calls, std::span<std::span<const float>> rows)
     requires batched
   {
-    check_distinct(calls);
+    detail::check_distinct_requests(calls, "draft model");
     run_passes(calls, rows);
   }
 
@@ -310,15 +310,6 @@ class draft_model_branch {
       b.hidden = s.tree_hidden;
       as_batch([&](auto& m) { m.forward(b); });
     }, static_cast<int>(batch_.tokens.size()));
-  }
-
-  // Throws `invalid_input` when a request has two calls in one batched pass (one cache each).
-  template <class Call>
-  static void check_distinct(std::span<const Call> calls) {
-    for (std::size_t i = 0; i < calls.size(); ++i)
-      for (std::size_t j = 0; j < i; ++j)
-        if (calls[i].request == calls[j].request)
-          throw invalid_input("draft model: request " + std::to_string(calls[i].request) + " appears twice in one batched pass");
   }
 
   // Throws `invalid_input` for a history token outside the draft's vocabulary.

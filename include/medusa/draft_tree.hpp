@@ -139,6 +139,19 @@ struct draft_pass_call {
   const draft_tree_pass* pass = nullptr;
 };
 
+namespace detail {
+// Throws `invalid_input` naming `who` when a request has two calls in one batched pass (each
+// request's drafter cache takes one).
+template <class Call>
+void check_distinct_requests(std::span<const Call> calls, const char* who) {
+  for (std::size_t i = 0; i < calls.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (calls[i].request == calls[j].request)
+        throw invalid_input(std::string(who) + ": request " + std::to_string(calls[i].request) +
+                            " appears twice in one batched pass");
+}
+}  // namespace detail
+
 //! A `tree_draft_source` that runs many requests' rows as one ragged pass (`draft_model_branch`
 //! over a `batch_decoder_model`): `draft_roots(calls, rows)` sets `rows[i]` to what
 //! `draft_root(calls[i].request, calls[i].history)` returns, `draft_passes(calls, rows)` to what

@@ -18,7 +18,9 @@
 //! `medusa_llama::eagle_engine` (one decoder layer over the target's embedding and LM head).
 //!
 //! The branch is also a `tree_draft_source` (draft_tree.hpp): `tree_drafter` grows each step's
-//! tree from it (EAGLE-2), each node's row fed its parent's predicted feature.
+//! tree from it (EAGLE-2), each node's row fed its parent's predicted feature. Over a model with a
+//! batched forward (`feature_draft_batch_model`) it is a `tree_draft_batch_source`: a serving
+//! step's trees grow together, one drafter pass per depth for every request.
 //!
 //! @code
 //! medusa::feature_draft_branch<medusa_llama::eagle_engine> eagle(drafter, target.vocab_size(),
@@ -77,6 +79,15 @@ concept feature_draft_model = requires(M& m, const feature_batch& b, int request
   m.forward(b);
   m.release(request);
 };
+
+//! A `feature_draft_model` that also runs many requests' batches as one pass: `forward_batch(bs)`
+//! does for each batch what `forward` would (each request at most once), so that one pass reads
+//! the drafter's weights once for all of them (the example's `eagle_engine`). A
+//! `feature_draft_branch` over one is a `tree_draft_batch_source`: `tree_drafter::draft_batch`
+//! then grows a serving step's trees with one drafter pass per depth.
+template <class M>
+concept feature_draft_batch_model =
+    feature_draft_model<M> && requires(M& m, std::span<const feature_batch> batches) { m.forward_batch(batches); };
 
 //! What a `feature_draft_branch` drafts.
 struct feature_draft_options {
@@ -170,73 +181,47 @@ class feature_draft_branch {
   //! logit row after the root; empty when the drafter's context is full or it drafted after this
   //! history already. Throws as `find` does.
   std::span<const float> draft_root(int request, std::span<const std::int32_t> history) {
-    state& s = *state_;
-    const int n = static_cast<int>(history.size());
-    const auto d = static_cast<std::size_t>(s.model->hidden_size());
-    if (n < 2) return {};
-    request_state& r = s.requests[request];
-    check_history(request, r, history);
-    if (n - 1 > context() || n - 1 - r.fed < 1) return {};
-    // The root's row (position n − 2) runs again in every pass of the tree: keep its real feature.
-    r.root_feature.assign(r.pending.end() - static_cast<std::ptrdiff_t>(d), r.pending.end());
-    catch_up(request, r, history);
-    r.node_features.assign(s.hidden.begin(), s.hidden.end());  // node 0's: the root's predicted feature
-    return s.logits;
+    pass_rows& p = scratch(1)[0];
+    if (!stage_root(p, request, history)) return {};
+    forward(p.batch);
+    return finish_root(p, request, history);
   }
 
   //! `tree_draft_source`: runs a draft tree's pass. Row 0 is the root's again ((its real feature,
   //! the root) at position n − 2 of a history of n tokens); node i's row takes its parent's
-  //! predicted feature and its own token. A chain's rows before `pass.cached` do not run again. Returns the logit rows of the last `pass.outputs` nodes
-  //! (and keeps their predicted features for their children); empty when the pass does not fit
-  //! the drafter's context.
+  //! predicted feature and its own token. A chain's rows before `pass.cached` do not run again.
+  //! Returns the logit rows of the last `pass.outputs` nodes (and keeps their predicted features
+  //! for their children); empty when the pass does not fit the drafter's context.
   std::span<const float> draft_pass(int request, std::span<const std::int32_t> history, const draft_tree_pass& pass) {
-    state& s = *state_;
-    const int n = static_cast<int>(history.size());
-    const int T = pass.shape.num_nodes();
-    const auto d = static_cast<std::size_t>(s.model->hidden_size());
-    const auto V = static_cast<std::size_t>(s.model->vocab_size());
-    if (n < 2 || n - 2 + T > context()) return {};
-    request_state& r = s.requests[request];
-    // Rows [c, T) run after slot n − 2 + c: all of them with the tree's mask, or a chain's last.
-    const int c = pass.cached, R = T - c;
-    s.tree_features.resize(static_cast<std::size_t>(R) * d);
-    for (int i = c; i < T; ++i) {
-      const auto row = s.tree_features.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(i - c) * d);
-      if (i == 0) {
-        if (r.root_feature.size() != d)
-          throw invalid_input("feature drafter: request " + std::to_string(request) + " runs a tree pass before its root's");
-        std::copy(r.root_feature.begin(), r.root_feature.end(), row);
-        continue;
-      }
-      const auto parent = static_cast<std::size_t>(pass.ids[static_cast<std::size_t>(pass.shape.parent(i))]);
-      if ((parent + 1) * d > r.node_features.size())
-        throw invalid_input("feature drafter: a draft tree's pass expands node " + std::to_string(parent) +
-                            " before its own row ran");
-      std::copy_n(r.node_features.begin() + static_cast<std::ptrdiff_t>(parent * d), d, row);
-    }
-    s.positions.resize(static_cast<std::size_t>(R));
-    for (int i = 0; i < R; ++i) s.positions[static_cast<std::size_t>(i)] = n - 2 + pass.shape.node_depth(c + i);
-    const auto outs = static_cast<std::size_t>(pass.outputs);
-    s.tree_logits.resize(outs * V);
-    s.tree_hidden.resize(outs * d);
-    feature_batch b;
-    b.request = request;
-    b.tokens = pass.tokens.subspan(static_cast<std::size_t>(c), static_cast<std::size_t>(R));
-    b.features = s.tree_features;
-    b.positions = s.positions;
-    b.cache_length = n - 2 + c;
-    b.logits = s.tree_logits;
-    b.hidden = s.tree_hidden;
-    if (c == 0) b.tree_mask = pass.shape.mask_view();
-    b.outputs = pass.outputs;
-    forward(b);
-    for (std::size_t j = 0; j < outs; ++j) {
-      const auto id = static_cast<std::size_t>(pass.ids[static_cast<std::size_t>(T) - outs + j]);
-      if (r.node_features.size() < (id + 1) * d) r.node_features.resize((id + 1) * d);
-      std::copy_n(s.tree_hidden.begin() + static_cast<std::ptrdiff_t>(j * d), d,
-                  r.node_features.begin() + static_cast<std::ptrdiff_t>(id * d));
-    }
-    return s.tree_logits;
+    pass_rows& p = scratch(1)[0];
+    if (!stage_pass(p, request, history, pass)) return {};
+    forward(p.batch);
+    return finish_pass(p, request, pass);
+  }
+
+  //! `tree_draft_batch_source`, over a `feature_draft_batch_model`: `rows[i]` is what `draft_root`
+  //! gives for call i, the catch-up rows of every call run as one pass. Throws as `draft_root`
+  //! does, and `invalid_input` when a request appears twice; what throws before the pass changes
+  //! no request's state.
+  void draft_roots(std::span<const draft_root_call> calls, std::span<std::span<const float>> rows)
+    requires feature_draft_batch_model<Model>
+  {
+    detail::check_distinct_requests(calls, "feature drafter");
+    std::vector<pass_rows>& slots = scratch(calls.size());
+    run_together(calls.size(), rows, [&](std::size_t i) { return stage_root(slots[i], calls[i].request, calls[i].history); });
+    for (const std::size_t i : state_->staged) rows[i] = finish_root(slots[i], calls[i].request, calls[i].history);
+  }
+
+  //! `tree_draft_batch_source`: `rows[i]` is what `draft_pass` gives for call i, every call's tree
+  //! pass run as one ragged pass (each with its own mask). Throws as `draft_roots` does.
+  void draft_passes(std::span<const draft_pass_call> calls, std::span<std::span<const float>> rows)
+    requires feature_draft_batch_model<Model>
+  {
+    detail::check_distinct_requests(calls, "feature drafter");
+    std::vector<pass_rows>& slots = scratch(calls.size());
+    run_together(calls.size(), rows,
+                 [&](std::size_t i) { return stage_pass(slots[i], calls[i].request, calls[i].history, *calls[i].pass); });
+    for (const std::size_t i : state_->staged) rows[i] = finish_pass(slots[i], calls[i].request, *calls[i].pass);
   }
 
   //! The request left: its state and the drafter's cache of it go.
@@ -260,19 +245,147 @@ class feature_draft_branch {
     // (`[id][hidden]`, node 0 the root), kept per request while a batch's trees grow together.
     std::vector<float> root_feature, node_features;
   };
+  // One request's rows of a tree's drafter pass (a root's catch-up or a depth's pass) and their
+  // outputs.
+  struct pass_rows {
+    std::vector<std::int32_t> positions;
+    std::vector<float> features, logits, hidden;
+    feature_batch batch;
+  };
   struct state {
     Model* model = nullptr;
     feature_draft_options opt;
     std::map<int, request_state> requests;
     std::vector<std::int32_t> positions;
     std::vector<float> logits, hidden, feature;
-    // A draft tree pass's input features and its output rows.
-    std::vector<float> tree_features, tree_logits, tree_hidden;
+    std::vector<pass_rows> slots;       // a tree pass's rows, one per request of a batched call
+    std::vector<std::size_t> staged;    // the calls of a batched call that run rows
+    std::vector<feature_batch> batches;
     std::int64_t tokens_run = 0, passes = 0;
     double seconds = 0;
   };
 
   [[nodiscard]] int context() const { return static_cast<int>(state_->model->max_context()); }
+
+  std::vector<pass_rows>& scratch(std::size_t n) {
+    if (state_->slots.size() < n) state_->slots.resize(n);
+    return state_->slots;
+  }
+
+  // Stages in `p` the catch-up rows `draft_root` runs: positions [fed, n − 1) of a history of n
+  // tokens with their real features. False when nothing runs (see `draft_root`).
+  bool stage_root(pass_rows& p, int request, std::span<const std::int32_t> history) {
+    state& s = *state_;
+    const int n = static_cast<int>(history.size());
+    if (n < 2) return false;
+    request_state& r = s.requests[request];
+    check_history(request, r, history);
+    if (n - 1 > context() || n - 1 - r.fed < 1) return false;
+    p.positions.resize(static_cast<std::size_t>(n - 1 - r.fed));
+    for (std::size_t i = 0; i < p.positions.size(); ++i) p.positions[i] = r.fed + static_cast<int>(i);
+    p.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
+    p.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
+    p.batch = {};
+    p.batch.request = request;
+    p.batch.tokens = history.subspan(static_cast<std::size_t>(r.fed) + 1);
+    p.batch.features = r.pending;
+    p.batch.positions = p.positions;
+    p.batch.cache_length = r.fed;
+    p.batch.logits = p.logits;
+    p.batch.hidden = p.hidden;
+    return true;
+  }
+
+  // After the catch-up ran: the cache holds every real row. The root's row (position n − 2) runs
+  // again in every pass of the tree, so its real feature is kept.
+  std::span<const float> finish_root(const pass_rows& p, int request, std::span<const std::int32_t> history) {
+    request_state& r = state_->requests[request];
+    const auto d = static_cast<std::ptrdiff_t>(state_->model->hidden_size());
+    r.root_feature.assign(r.pending.end() - d, r.pending.end());
+    r.fed = static_cast<int>(history.size()) - 1;
+    r.pending.clear();
+    r.node_features.assign(p.hidden.begin(), p.hidden.end());  // node 0's: the root's predicted feature
+    return p.logits;
+  }
+
+  // Stages in `p` the rows of a draft tree's pass (see `draft_pass`); false when it does not fit
+  // the drafter's context. Reads the request's state, changes none of it.
+  bool stage_pass(pass_rows& p, int request, std::span<const std::int32_t> history, const draft_tree_pass& pass) {
+    state& s = *state_;
+    const int n = static_cast<int>(history.size());
+    const int T = pass.shape.num_nodes();
+    const auto d = static_cast<std::size_t>(s.model->hidden_size());
+    const auto V = static_cast<std::size_t>(s.model->vocab_size());
+    if (n < 2 || n - 2 + T > context()) return false;
+    const request_state& r = s.requests[request];
+    // Rows [c, T) run after slot n − 2 + c: all of them with the tree's mask, or a chain's last.
+    const int c = pass.cached, R = T - c;
+    p.features.resize(static_cast<std::size_t>(R) * d);
+    for (int i = c; i < T; ++i) {
+      const auto row = p.features.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(i - c) * d);
+      if (i == 0) {
+        if (r.root_feature.size() != d)
+          throw invalid_input("feature drafter: request " + std::to_string(request) + " runs a tree pass before its root's");
+        std::copy(r.root_feature.begin(), r.root_feature.end(), row);
+        continue;
+      }
+      const auto parent = static_cast<std::size_t>(pass.ids[static_cast<std::size_t>(pass.shape.parent(i))]);
+      if ((parent + 1) * d > r.node_features.size())
+        throw invalid_input("feature drafter: a draft tree's pass expands node " + std::to_string(parent) +
+                            " before its own row ran");
+      std::copy_n(r.node_features.begin() + static_cast<std::ptrdiff_t>(parent * d), d, row);
+    }
+    p.positions.resize(static_cast<std::size_t>(R));
+    for (int i = 0; i < R; ++i) p.positions[static_cast<std::size_t>(i)] = n - 2 + pass.shape.node_depth(c + i);
+    const auto outs = static_cast<std::size_t>(pass.outputs);
+    p.logits.resize(outs * V);
+    p.hidden.resize(outs * d);
+    p.batch = {};
+    p.batch.request = request;
+    p.batch.tokens = pass.tokens.subspan(static_cast<std::size_t>(c), static_cast<std::size_t>(R));
+    p.batch.features = p.features;
+    p.batch.positions = p.positions;
+    p.batch.cache_length = n - 2 + c;
+    p.batch.logits = p.logits;
+    p.batch.hidden = p.hidden;
+    if (c == 0) p.batch.tree_mask = pass.shape.mask_view();
+    p.batch.outputs = pass.outputs;
+    return true;
+  }
+
+  // After a tree pass ran: keeps its output nodes' predicted features for their children.
+  std::span<const float> finish_pass(const pass_rows& p, int request, const draft_tree_pass& pass) {
+    request_state& r = state_->requests[request];
+    const auto d = static_cast<std::size_t>(state_->model->hidden_size());
+    const auto T = static_cast<std::size_t>(pass.shape.num_nodes()), outs = static_cast<std::size_t>(pass.outputs);
+    for (std::size_t j = 0; j < outs; ++j) {
+      const auto id = static_cast<std::size_t>(pass.ids[T - outs + j]);
+      if (r.node_features.size() < (id + 1) * d) r.node_features.resize((id + 1) * d);
+      std::copy_n(p.hidden.begin() + static_cast<std::ptrdiff_t>(j * d), d,
+                  r.node_features.begin() + static_cast<std::ptrdiff_t>(id * d));
+    }
+    return p.logits;
+  }
+
+  // A batched call: `stage(i)` stages call i's rows in slot i (false: it runs none, and its row
+  // stays empty); then every staged call's rows run as one pass. `state_->staged` lists them.
+  template <class Stage>
+  void run_together(std::size_t n, std::span<std::span<const float>> rows, Stage&& stage) {
+    state& s = *state_;
+    s.staged.clear();
+    for (std::size_t i = 0; i < n; ++i) {
+      rows[i] = {};
+      if (stage(i)) s.staged.push_back(i);
+    }
+    if (s.staged.empty()) return;
+    s.batches.clear();
+    for (const std::size_t i : s.staged) s.batches.push_back(s.slots[i].batch);
+    const auto t0 = std::chrono::steady_clock::now();
+    s.model->forward_batch(std::span<const feature_batch>(s.batches));
+    s.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    for (const feature_batch& b : s.batches) s.tokens_run += static_cast<std::int64_t>(b.tokens.size());
+    ++s.passes;
+  }
 
   // The catch-up pass: positions [fed, n − 1) of a history of n tokens with their real features,
   // each row's token the one after it; the last row's outputs are left in `logits` / `hidden`.

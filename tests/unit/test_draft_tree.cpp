@@ -201,6 +201,18 @@ struct masked_feature_drafter {
   }
 };
 
+// The same drafter with a batched forward (`feature_draft_batch_model`): each batch as `forward`
+// runs it; the batched calls and the batches they held are counted.
+struct masked_feature_batch_drafter : masked_feature_drafter {
+  using masked_feature_drafter::masked_feature_drafter;
+  int batched_calls = 0, batched_requests = 0;
+  void forward_batch(std::span<const medusa::feature_batch> bs) {
+    ++batched_calls;
+    batched_requests += static_cast<int>(bs.size());
+    for (const auto& b : bs) forward(b);
+  }
+};
+
 }  // namespace
 
 TEST_CASE("a draft tree holds the most probable nodes of the drafter's expansion") {
@@ -533,12 +545,14 @@ TEST_CASE("a feature drafter's trees in a batch are each request's own: the step
   medusa::decode_options opt;
   opt.max_new_tokens = 40;
   medusa::no_heads none;
-  // Serves `which` prompts in one batch; each request's (steps, tokens).
-  int mismatches = 0;
-  auto serve = [&](const std::vector<int>& which) {
+  static_assert(!medusa::tree_draft_batch_source<medusa::feature_draft_branch<masked_feature_drafter>>);
+  static_assert(medusa::tree_draft_batch_source<medusa::feature_draft_branch<masked_feature_batch_drafter>>);
+  // Serves `which` prompts in one batch with a drafter of type Model; each request's (steps, tokens).
+  int mismatches = 0, batched_calls = 0, batched_requests = 0;
+  auto serve = [&]<class Model>(const std::vector<int>& which, Model*) {
     tiny::batch_engine engine(target, 512);
-    masked_feature_drafter model(5);
-    medusa::feature_draft_branch<masked_feature_drafter> b(model, tiny_model::vocab, tiny_model::dim);
+    Model model(5);
+    medusa::feature_draft_branch<Model> b(model, tiny_model::vocab, tiny_model::dim);
     medusa::batch_decoder dec(engine, none, medusa::tree_drafter(b, shape), medusa::greedy_policy{}, 4);
     for (const int i : which) dec.join(i, prompts[static_cast<std::size_t>(i)], opt);
     std::map<int, std::pair<int, std::vector<std::int32_t>>> out;
@@ -550,16 +564,49 @@ TEST_CASE("a feature drafter's trees in a batch are each request's own: the step
         }
     CHECK(model.tree_passes > 0);
     mismatches += model.root_mismatches;
+    if constexpr (requires { model.batched_calls; }) {
+      batched_calls += model.batched_calls;
+      batched_requests += model.batched_requests;
+    }
     return out;
   };
-  const auto together = serve({0, 1, 2});
+  // One drafter pass per request (a model without a batched forward), then one per depth for the
+  // whole batch: each request's steps and tokens are those it takes alone.
+  const auto one_by_one = serve({0, 1, 2}, static_cast<masked_feature_drafter*>(nullptr));
+  const auto together = serve({0, 1, 2}, static_cast<masked_feature_batch_drafter*>(nullptr));
   CHECK(mismatches == 0);  // every tree pass's root row had its own request's real feature
+  CHECK(batched_calls > 0);
+  CHECK(batched_requests > batched_calls);  // passes that held several requests
+  MESSAGE("batched drafter passes: " << batched_calls << " for " << batched_requests << " requests' rows");
   for (int i = 0; i < 3; ++i) {
     CAPTURE(i);
-    const auto alone = serve({i});
-    CHECK(together.at(i).first == alone.at(i).first);  // the same drafts accepted: the same steps
-    CHECK(together.at(i).second == alone.at(i).second);
+    const auto alone = serve({i}, static_cast<masked_feature_drafter*>(nullptr));
+    for (const auto* served : {&one_by_one, &together}) {
+      CHECK(served->at(i).first == alone.at(i).first);  // the same drafts accepted: the same steps
+      CHECK(served->at(i).second == alone.at(i).second);
+    }
     tiny_model plain(512);
     CHECK(alone.at(i).second == medusa::generate_vanilla(plain, prompts[static_cast<std::size_t>(i)], medusa::greedy_policy{}, opt).tokens);
   }
+}
+
+TEST_CASE("a feature drafter's batched passes refuse a request twice and leave the requests' state as it was") {
+  masked_feature_batch_drafter model(5);
+  medusa::feature_draft_branch<masked_feature_batch_drafter> b(model, tiny_model::vocab, tiny_model::dim);
+  const std::vector<std::int32_t> h = {1, 5, 9, 13};
+  const std::vector<float> f(static_cast<std::size_t>(3 * tiny_model::dim), 0.25f);
+  b.observe(4, 0, f);
+  std::vector<std::span<const float>> rows(2);
+  const std::vector<medusa::draft_root_call> twice = {{4, h}, {4, h}};
+  CHECK_THROWS_WITH_AS(b.draft_roots(twice, rows), doctest::Contains("request 4 appears twice"), medusa::invalid_input);
+  // Request 7 has no features: the call throws before the pass, and request 4's catch-up has not run.
+  const std::vector<medusa::draft_root_call> missing = {{4, h}, {7, h}};
+  CHECK_THROWS_WITH_AS(b.draft_roots(missing, rows), doctest::Contains("request 7 has the features of 0 positions"),
+                       medusa::invalid_input);
+  CHECK(model.batched_calls == 0);
+  const std::vector<medusa::draft_root_call> one = {{4, h}};
+  b.draft_roots(one, std::span(rows).subspan(0, 1));
+  CHECK(model.batched_calls == 1);
+  CHECK(rows[0].size() == static_cast<std::size_t>(tiny_model::vocab));
+  CHECK(b.tokens_run() == 3);  // all three caught-up rows, once
 }

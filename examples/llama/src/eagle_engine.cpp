@@ -79,6 +79,10 @@ struct eagle_engine::impl {
   std::map<int, cache> caches;
   std::vector<float> x, u;  // projected rows [max_rows][dim]; concatenated inputs [max_rows][2·dim]
   std::vector<int> out_rows;
+  // A batched pass's rows, segments and outputs (`forward_batch`).
+  std::vector<std::int32_t> tokens, positions;
+  std::vector<detail::segment<medusa::kv_cache_view<float>>> segments;
+  std::vector<float> logits, hidden;
 
   impl(model m, std::vector<float> w, const eagle_options& o)
       : stack(std::move(m), {.max_rows = o.max_rows, .threads = o.threads, .pool = o.pool, .weights = o.weights}),
@@ -125,16 +129,21 @@ struct eagle_engine::impl {
     }
   }
 
-  // x = W_fc [E(token); feature] for rows [r0, r0 + n): one GEMM on the engine's kernels.
-  void project(const medusa::feature_batch& b, int r0, int n) {
+  // The inputs [E(token); feature] of rows [r0, r0 + n) of `b`, to rows from `at` of `u`.
+  void gather(const medusa::feature_batch& b, int r0, int n, int at) {
     const std::size_t d = sz(config().dim), in = 2 * d;
     const float* emb = stack.weights().token_embedding();
     for (int i = 0; i < n; ++i) {
-      float* u_row = u.data() + sz(i) * in;
+      float* u_row = u.data() + sz(at + i) * in;
       std::memcpy(u_row, emb + sz(b.tokens[sz(r0 + i)]) * d, d * sizeof(float));
       std::memcpy(u_row + d, b.features.data() + sz(r0 + i) * d, d * sizeof(float));
     }
-    const detail::gemm_job job{&fc, detail::gemm_input{u.data(), in, n}, x.data(), d, detail::epilogue::store};
+  }
+
+  // x = W_fc u for the first n rows: one GEMM on the engine's kernels.
+  void project(int n) {
+    const std::size_t in = 2 * sz(config().dim);
+    const detail::gemm_job job{&fc, detail::gemm_input{u.data(), in, n}, x.data(), sz(config().dim), detail::epilogue::store};
     detail::run_gemm_jobs(stack.pool(), std::span(&job, 1));
   }
 
@@ -146,7 +155,8 @@ struct eagle_engine::impl {
     const std::size_t V = sz(config().vocab_size), d = sz(config().dim);
     for (int c0 = 0; c0 < T; c0 += opt.max_rows) {
       const int n = std::min(opt.max_rows, T - c0);
-      project(b, c0, n);
+      gather(b, c0, n, 0);
+      project(n);
       // Output rows of this chunk, local to it; they go to the outputs' rows from `done` on.
       out_rows.clear();
       for (int i = std::max(c0, first_out); i < c0 + n; ++i) out_rows.push_back(i - c0);
@@ -155,6 +165,63 @@ struct eagle_engine::impl {
       stack.run(b.tokens.subspan(sz(c0), sz(n)), b.positions.subspan(sz(c0), sz(n)), std::span(&seg, 1),
                 std::span<const int>(out_rows), !out_rows.empty() && !b.logits.empty() ? b.logits.data() + done * V : nullptr,
                 !out_rows.empty() && !b.hidden.empty() ? b.hidden.data() + done * d : nullptr, x.data());
+    }
+  }
+
+  // Batches of several requests in passes of at most max_rows rows, each batch one segment over its
+  // request's cache; a batch longer than that runs alone, in chunks. A row's results do not depend
+  // on the other rows of its pass (the kernels' row invariance), so each batch gets what `forward`
+  // gives it.
+  void forward_batch(std::span<const medusa::feature_batch> bs) {
+    for (std::size_t i = 0; i < bs.size(); ++i) {
+      validate(bs[i]);
+      for (std::size_t j = 0; j < i; ++j)
+        if (bs[i].request == bs[j].request)
+          throw engine_error(engine_errc::bad_batch, "feature drafter: request " + std::to_string(bs[i].request) +
+                                                         " appears twice in one batched pass");
+    }
+    for (std::size_t i = 0; i < bs.size();) {
+      if (static_cast<int>(bs[i].tokens.size()) > opt.max_rows) {
+        forward(bs[i++]);
+        continue;
+      }
+      std::size_t j = i;
+      for (int rows = 0; j < bs.size() && rows + static_cast<int>(bs[j].tokens.size()) <= opt.max_rows; ++j)
+        rows += static_cast<int>(bs[j].tokens.size());
+      run_together(bs.subspan(i, j - i));
+      i = j;
+    }
+  }
+
+  // One pass over whole batches that fit max_rows together.
+  void run_together(std::span<const medusa::feature_batch> bs) {
+    const std::size_t V = sz(config().vocab_size), d = sz(config().dim);
+    tokens.clear();
+    positions.clear();
+    segments.clear();
+    out_rows.clear();
+    int rows = 0;
+    for (const medusa::feature_batch& b : bs) {
+      const int T = static_cast<int>(b.tokens.size());
+      gather(b, 0, T, rows);
+      tokens.insert(tokens.end(), b.tokens.begin(), b.tokens.end());
+      positions.insert(positions.end(), b.positions.begin(), b.positions.end());
+      segments.push_back({rows, T, b.cache_length, cache_of(b.request).view, b.tree_mask});
+      for (int k = T - b.outputs; k < T; ++k) out_rows.push_back(rows + k);
+      rows += T;
+    }
+    project(rows);
+    logits.resize(out_rows.size() * V);
+    hidden.resize(out_rows.size() * d);
+    stack.run(std::span<const std::int32_t>(tokens), std::span<const std::int32_t>(positions),
+              std::span<const detail::segment<medusa::kv_cache_view<float>>>(segments), std::span<const int>(out_rows),
+              logits.data(), hidden.data(), x.data());
+    std::size_t o = 0;
+    for (const medusa::feature_batch& b : bs) {
+      const auto outs = sz(b.outputs);
+      if (!b.logits.empty()) std::copy_n(logits.begin() + static_cast<std::ptrdiff_t>(o * V), outs * V, b.logits.begin());
+      if (!b.hidden.empty()) std::copy_n(hidden.begin() + static_cast<std::ptrdiff_t>(o * d), outs * d, b.hidden.begin());
+      o += outs;
     }
   }
 };
@@ -199,6 +266,7 @@ int eagle_engine::vocab_size() const noexcept { return p_->config().vocab_size; 
 int eagle_engine::hidden_size() const noexcept { return p_->config().dim; }
 int eagle_engine::max_context() const noexcept { return p_->config().seq_len; }
 void eagle_engine::forward(const medusa::feature_batch& b) { p_->forward(b); }
+void eagle_engine::forward_batch(std::span<const medusa::feature_batch> batches) { p_->forward_batch(batches); }
 void eagle_engine::release(int request) { p_->caches.erase(request); }
 int eagle_engine::requests() const noexcept { return static_cast<int>(p_->caches.size()); }
 

@@ -296,3 +296,63 @@ TEST_CASE("docs/decoder.md: the feature drafter's snippet decodes on the example
   CHECK(eagle.tokens_run() >= static_cast<std::int64_t>(prompt.size()));  // the prompt was caught up
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("eagle_engine runs several requests' batches in one pass, each with the bits forward gives it") {
+  const auto target = random_target(medusa_llama::rope_style::adjacent_pairs);
+  const eagle_model em = random_drafter(target);
+  std::vector<float> fc(em.fc().begin(), em.fc().end());
+  medusa_llama::eagle_engine together(em.to_model(), fc, {.threads = 2, .max_rows = 16});
+  medusa_llama::eagle_engine alone(em.to_model(), fc, {.threads = 2, .max_rows = 16});
+  const auto tokens = stack_test::random_tokens(60, vocab, 21);
+  const auto f = random_rows(60, 22);
+  const medusa::tree t = medusa::tree::from_paths({{0}, {1}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}});
+  // Request 1: a catch-up of 5 rows; 2: a draft tree's pass after 11 kept slots, all outputs;
+  // 3: one row after 9; 4: 20 rows, more than one pass holds (it runs alone, in chunks); 5: 6 rows
+  // that no longer fit beside 1–3 and start the next pass.
+  struct part {
+    int request, kept, rows;
+    bool tree;
+  };
+  const std::vector<part> parts = {{1, 0, 5, false}, {2, 11, t.num_nodes(), true}, {3, 9, 1, false}, {4, 0, 20, false}, {5, 3, 6, false}};
+  std::vector<std::vector<std::int32_t>> pos(parts.size());
+  std::vector<std::vector<float>> logits(parts.size()), hidden(parts.size()), want_logits(parts.size()), want_hidden(parts.size());
+  std::vector<medusa::feature_batch> batches;
+  for (std::size_t k = 0; k < parts.size(); ++k) {
+    const part& p = parts[k];
+    for (auto* e : {&together, &alone})
+      if (p.kept > 0) run_rows(*e, p.request, tokens, f, 0, p.kept);
+    for (int i = 0; i < p.rows; ++i) pos[k].push_back(p.kept + (p.tree ? t.node_depth(i) : i));
+    const int outputs = p.tree ? p.rows : 1;
+    for (auto* v : {&logits[k], &want_logits[k]}) v->assign(static_cast<std::size_t>(outputs) * vocab, 0.0f);
+    for (auto* v : {&hidden[k], &want_hidden[k]}) v->assign(static_cast<std::size_t>(outputs) * dim, 0.0f);
+    medusa::feature_batch b;
+    b.request = p.request;
+    b.tokens = std::span<const std::int32_t>(tokens).subspan(static_cast<std::size_t>(p.kept), static_cast<std::size_t>(p.rows));
+    b.features = std::span<const float>(f).subspan(static_cast<std::size_t>(p.kept) * dim, static_cast<std::size_t>(p.rows) * dim);
+    b.positions = pos[k];
+    b.cache_length = p.kept;
+    if (p.tree) b.tree_mask = t.mask_view();
+    b.outputs = outputs;
+    b.logits = want_logits[k];
+    b.hidden = want_hidden[k];
+    alone.forward(b);
+    b.logits = logits[k];
+    b.hidden = hidden[k];
+    batches.push_back(b);
+  }
+  together.forward_batch(batches);
+  for (std::size_t k = 0; k < parts.size(); ++k) {
+    CAPTURE(parts[k].request);
+    CHECK(logits[k] == want_logits[k]);
+    CHECK(hidden[k] == want_hidden[k]);
+  }
+  // The caches were written as forward writes them: a next row after each batch agrees too.
+  for (const part& p : {parts[0], parts[3]}) {
+    CAPTURE(p.request);
+    const pass_out a = run_rows(together, p.request, tokens, f, p.kept + p.rows, p.kept + p.rows + 1);
+    const pass_out b = run_rows(alone, p.request, tokens, f, p.kept + p.rows, p.kept + p.rows + 1);
+    CHECK(a.logits == b.logits);
+  }
+  batches[1].request = batches[0].request;
+  CHECK_THROWS_WITH_AS(together.forward_batch(batches), doctest::Contains("request 1 appears twice"), medusa_llama::engine_error);
+}

@@ -25,6 +25,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <span>
 #include <vector>
 
 namespace medusa_llama {
@@ -76,6 +77,11 @@ class eagle_engine {
   //! Runs `b` (see `medusa::feature_batch`). Throws `engine_error` for inconsistent arguments
   //! (sizes, tokens, positions, slots) before anything is written.
   void forward(const medusa::feature_batch& b);
+  //! Runs each batch as `forward` would, several requests' rows in one pass where they fit
+  //! `max_rows` together (the weights read once for all), each request at most once
+  //! (`medusa::feature_draft_batch_model`). Throws `engine_error` as `forward` does, and for a
+  //! request that appears twice, before anything is written.
+  void forward_batch(std::span<const medusa::feature_batch> batches);
   //! Frees request `request`'s cache.
   void release(int request);
   //! Requests holding a cache now.
@@ -86,6 +92,6 @@ class eagle_engine {
   std::unique_ptr<impl> p_;
 };
 
-static_assert(medusa::feature_draft_model<eagle_engine>);
+static_assert(medusa::feature_draft_batch_model<eagle_engine>);
 
 }  // namespace medusa_llama
