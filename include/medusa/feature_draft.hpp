@@ -163,11 +163,11 @@ class feature_draft_branch {
     const int count = std::min({s.opt.max_tokens, static_cast<int>(out.size()), context() - n + 2});
     if (count < 1 || !catch_up(request, r, history)) return 0;
     for (int i = 0;; ++i) {
-      const std::int32_t next = choose(std::span<const float>(s.logits), i);
+      const std::int32_t next = choose(std::span<const float>(s.chain.logits), i);
       out[static_cast<std::size_t>(i)] = next;
       if (i + 1 == count) break;
       // The predicted feature of position n − 1 + i with the token drafted from it.
-      s.feature.assign(s.hidden.begin(), s.hidden.end());
+      s.feature.assign(s.chain.hidden.begin(), s.chain.hidden.end());
       const std::int32_t token[1] = {next};
       run(request, token, s.feature, n - 1 + i);
     }
@@ -245,8 +245,8 @@ class feature_draft_branch {
     // (`[id][hidden]`, node 0 the root), kept per request while a batch's trees grow together.
     std::vector<float> root_feature, node_features;
   };
-  // One request's rows of a tree's drafter pass (a root's catch-up or a depth's pass) and their
-  // outputs.
+  // One request's rows of a drafter pass (a chain's, a root's catch-up or a tree depth's) and
+  // their outputs.
   struct pass_rows {
     std::vector<std::int32_t> positions;
     std::vector<float> features, logits, hidden;
@@ -256,8 +256,8 @@ class feature_draft_branch {
     Model* model = nullptr;
     feature_draft_options opt;
     std::map<int, request_state> requests;
-    std::vector<std::int32_t> positions;
-    std::vector<float> logits, hidden, feature;
+    pass_rows chain;                    // a chain's rows (`find`)
+    std::vector<float> feature;         // the predicted feature a chain's next row takes
     std::vector<pass_rows> slots;       // a tree pass's rows, one per request of a batched call
     std::vector<std::size_t> staged;    // the calls of a batched call that run rows
     std::vector<feature_batch> batches;
@@ -281,18 +281,7 @@ class feature_draft_branch {
     request_state& r = s.requests[request];
     check_history(request, r, history);
     if (n - 1 > context() || n - 1 - r.fed < 1) return false;
-    p.positions.resize(static_cast<std::size_t>(n - 1 - r.fed));
-    for (std::size_t i = 0; i < p.positions.size(); ++i) p.positions[i] = r.fed + static_cast<int>(i);
-    p.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
-    p.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
-    p.batch = {};
-    p.batch.request = request;
-    p.batch.tokens = history.subspan(static_cast<std::size_t>(r.fed) + 1);
-    p.batch.features = r.pending;
-    p.batch.positions = p.positions;
-    p.batch.cache_length = r.fed;
-    p.batch.logits = p.logits;
-    p.batch.hidden = p.hidden;
+    stage_causal(p, request, history.subspan(static_cast<std::size_t>(r.fed) + 1), r.pending, r.fed);
     return true;
   }
 
@@ -379,16 +368,16 @@ class feature_draft_branch {
     }
     if (s.staged.empty()) return;
     s.batches.clear();
-    for (const std::size_t i : s.staged) s.batches.push_back(s.slots[i].batch);
-    const auto t0 = std::chrono::steady_clock::now();
-    s.model->forward_batch(std::span<const feature_batch>(s.batches));
-    s.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    for (const feature_batch& b : s.batches) s.tokens_run += static_cast<std::int64_t>(b.tokens.size());
-    ++s.passes;
+    std::size_t rows_run = 0;
+    for (const std::size_t i : s.staged) {
+      s.batches.push_back(s.slots[i].batch);
+      rows_run += s.batches.back().tokens.size();
+    }
+    timed([&] { s.model->forward_batch(std::span<const feature_batch>(s.batches)); }, rows_run);
   }
 
   // The catch-up pass: positions [fed, n − 1) of a history of n tokens with their real features,
-  // each row's token the one after it; the last row's outputs are left in `logits` / `hidden`.
+  // each row's token the one after it; the last row's outputs are left in `chain`.
   // False (nothing run) when the drafter drafted after this history already and nothing was
   // accepted since.
   bool catch_up(int request, request_state& r, std::span<const std::int32_t> history) {
@@ -416,32 +405,44 @@ class feature_draft_branch {
                             std::to_string(vocab));
   }
 
-  // Runs rows (tokens[i], features[i]) at slots and positions `length + i`; the last row's logits
-  // and predicted feature are left in `state_->logits` / `state_->hidden`.
+  // Stages in `p` the causal rows (tokens[i], features[i]) at slots and positions `length + i`,
+  // the last row's outputs wanted.
+  void stage_causal(pass_rows& p, int request, std::span<const std::int32_t> tokens, std::span<const float> features,
+                    int length) {
+    p.positions.resize(tokens.size());
+    for (std::size_t i = 0; i < tokens.size(); ++i) p.positions[i] = length + static_cast<int>(i);
+    p.logits.resize(static_cast<std::size_t>(state_->model->vocab_size()));
+    p.hidden.resize(static_cast<std::size_t>(state_->model->hidden_size()));
+    p.batch = {};
+    p.batch.request = request;
+    p.batch.tokens = tokens;
+    p.batch.features = features;
+    p.batch.positions = p.positions;
+    p.batch.cache_length = length;
+    p.batch.logits = p.logits;
+    p.batch.hidden = p.hidden;
+  }
+
+  // Runs a chain's rows (as `stage_causal` stages them); the last row's logits and predicted
+  // feature are left in `state_->chain`.
   void run(int request, std::span<const std::int32_t> tokens, std::span<const float> features, int length) {
-    state& s = *state_;
-    s.positions.resize(tokens.size());
-    for (std::size_t i = 0; i < tokens.size(); ++i) s.positions[i] = length + static_cast<int>(i);
-    s.logits.resize(static_cast<std::size_t>(s.model->vocab_size()));
-    s.hidden.resize(static_cast<std::size_t>(s.model->hidden_size()));
-    feature_batch b;
-    b.request = request;
-    b.tokens = tokens;
-    b.features = features;
-    b.positions = s.positions;
-    b.cache_length = length;
-    b.logits = s.logits;
-    b.hidden = s.hidden;
-    forward(b);
+    stage_causal(state_->chain, request, tokens, features, length);
+    forward(state_->chain.batch);
   }
 
   // The drafter's forward, counted in its cost.
   void forward(const feature_batch& b) {
+    timed([&] { state_->model->forward(b); }, b.tokens.size());
+  }
+
+  // Runs `f` (one drafter pass), adding its time, one pass and `rows` rows to the drafter's counts.
+  template <class F>
+  void timed(F&& f, std::size_t rows) {
     state& s = *state_;
     const auto t0 = std::chrono::steady_clock::now();
-    s.model->forward(b);
+    f();
     s.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    s.tokens_run += static_cast<std::int64_t>(b.tokens.size());
+    s.tokens_run += static_cast<std::int64_t>(rows);
     ++s.passes;
   }
 
