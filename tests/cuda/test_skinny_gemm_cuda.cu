@@ -121,6 +121,24 @@ TEST_CASE("device skinny gemm: element-wise loads give the bits of 16-byte loads
   CHECK(same_rows(on_device(c, 5, true, 1), on_device(c, 5, true, 0), 5, 300));
 }
 
+// Every instance asks for more than 48 KiB of shared memory, which a kernel is granted per device:
+// a launch on a second device that had not asked would fail. Needs two devices.
+TEST_CASE("device skinny gemm: each instance runs on every visible device" *
+          doctest::skip(mc::device_count() < 2)) {
+  const gemm_case<medusa::bfloat16> c(264, 1024, 40, 31);
+  int current = 0;
+  mc::check(cudaGetDevice(&current), "cudaGetDevice");
+  for (int device = 0; device < mc::device_count(); ++device) {
+    CAPTURE(device);
+    mc::check(cudaSetDevice(device), "cudaSetDevice");
+    for (const int rows : {1, 9, 40}) {  // the three instances
+      CAPTURE(rows);
+      check_against_exact(c, on_device(c, rows, true), rows, true);
+    }
+  }
+  mc::check(cudaSetDevice(current), "cudaSetDevice");
+}
+
 TEST_CASE("device skinny gemm: null arrays are refused with nothing launched") {
   const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = 16, .k = 32, .rows = 1});
   CHECK(mc::run(plan, mk::skinny_gemm_params<medusa::bfloat16>{}, nullptr) == cudaErrorInvalidValue);

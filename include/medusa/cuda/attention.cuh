@@ -90,11 +90,13 @@ cudaError_t run(const kernels::attention_plan& plan, kernels::attention_params<K
     using Mask = decltype(mask);
     if (plan.single_query) {
       const auto kernel = detail::attention_single_query_kernel<DC, Mask, KV, O>;
-      // Its stages take more than the default 48 KiB: opt in once per instance, for the most any
-      // plan asks (a device without that much shared memory refuses here).
-      static const cudaError_t opt_in = cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kernels::attention_single_query_shared_max));
-      if (opt_in != cudaSuccess) return opt_in;
+      // Its stages take more than the default 48 KiB: ask per instance and device, for the most
+      // any plan asks (a device without that much shared memory refuses here).
+      static medusa::detail::cuda_shared_memory_grant grant;
+      if (const cudaError_t status = grant.ensure(reinterpret_cast<const void*>(kernel),
+                                                  static_cast<int>(kernels::attention_single_query_shared_max));
+          status != cudaSuccess)
+        return status;
       kernel<<<main_grid, plan.main.threads, plan.main.shared_bytes, stream>>>(plan, params);
     } else
       detail::attention_main_kernel<DC, Mask, KV, O>

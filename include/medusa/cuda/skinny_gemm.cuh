@@ -48,11 +48,12 @@ cudaError_t run(const kernels::skinny_gemm_plan& plan, const kernels::skinny_gem
   const bool aligned = kernels::skinny_gemm_aligned(plan, params);
   return kernels::with_skinny_gemm_variant(plan, [&](auto rt, auto ft) -> cudaError_t {
     constexpr auto kernel = detail::skinny_gemm_kernel<decltype(rt)::value, decltype(ft)::value, T>;
-    // The rings take more than the 48 KiB a block gets without asking (once per instance and
-    // process; a device without that much shared memory refuses here).
-    static const cudaError_t opt_in = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                           static_cast<int>(plan.launch.shared_bytes));
-    if (opt_in != cudaSuccess) return opt_in;
+    // The rings take more than the 48 KiB a block gets without asking (per instance and device).
+    static medusa::detail::cuda_shared_memory_grant grant;
+    if (const cudaError_t status = grant.ensure(reinterpret_cast<const void*>(kernel),
+                                                static_cast<int>(plan.launch.shared_bytes));
+        status != cudaSuccess)
+      return status;
     kernel<<<grid, plan.launch.threads, plan.launch.shared_bytes, stream>>>(plan, params, aligned);
     return cudaGetLastError();
   });
