@@ -83,7 +83,7 @@ TEST_CASE("the chi-square check catches rows that are not the distribution drawn
   tiny_model target(64), unlike(64, 11);
   const medusa::sampling_warp w{.temperature = 1.0f};
   const claims_hotter<tiny_model> biased{medusa::draft_model_sampler<tiny_model>(unlike, V, {.max_tokens = 3, .warp = w}), {}};
-  const auto r = first_three(target, biased, w, 30000);
+  const auto r = first_three(target, biased, w, sampled_chains::power_trials);
   MESSAGE("biased rows: chi2(first two)=" << r.first_two.stat << "/" << r.first_two.dof << " p=" << r.first_two.p);
   CHECK(r.first_two.p < 1e-6);  // the first token is the prefill's own draw: the drafts decide the second
 }

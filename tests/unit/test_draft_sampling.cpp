@@ -213,7 +213,7 @@ void check_lossless_tree(const medusa::tree& t, int vocab, int trials) {
 // below keeps the full count.
 constexpr int power_trials = 150000;
 #if defined(__SANITIZE_ADDRESS__)
-constexpr int stat_trials = 40000;
+constexpr int stat_trials = 15000;
 #else
 constexpr int stat_trials = power_trials;
 #endif
