@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <queue>
 
 namespace medusa_llama {
 
@@ -172,32 +173,54 @@ std::vector<int> llama2c_tokenizer::encode(std::string_view text, bool bos, bool
     len = 0;
   }
   // Merge the best-scoring adjacent pair until none merges (run.c; ties go to the leftmost pair).
-  // pair_id[i] caches the merge of (tokens[i], tokens[i+1]).
-  std::vector<int> pair_id(tokens.size(), -1);
-  auto eval = [&](std::size_t i) {
-    pair_id[i] = i + 1 < tokens.size() ? lookup(pieces_[static_cast<std::size_t>(tokens[i])] + pieces_[static_cast<std::size_t>(tokens[i + 1])]) : -1;
-  };
-  for (std::size_t i = 0; i < tokens.size(); ++i) eval(i);
-  for (;;) {
-    float best = -1e10f;
-    std::size_t best_i = tokens.size();
-    for (std::size_t i = 0; i + 1 < tokens.size(); ++i) {
-      const int id = pair_id[i];
-      if (id >= 0 && scores_[static_cast<std::size_t>(id)] > best) {
-        best = scores_[static_cast<std::size_t>(id)];
-        best_i = i;
-      }
-    }
-    if (best_i == tokens.size()) break;
-    tokens[best_i] = pair_id[best_i];
-    tokens.erase(tokens.begin() + static_cast<std::ptrdiff_t>(best_i) + 1);
-    pair_id.erase(pair_id.begin() + static_cast<std::ptrdiff_t>(best_i) + 1);
-    eval(best_i);
-    if (best_i > 0) eval(best_i - 1);
+  // run.c rescans the sequence for each merge, quadratic in the text (a 100 KiB file took half a
+  // minute); here the candidate pairs wait in a heap, best score first and leftmost among equal
+  // scores, and a pair whose tokens have since changed is dropped when it comes up. The tokens keep
+  // their order in a linked list, so "leftmost" is the smallest original index.
+  const std::size_t n = tokens.size();
+  std::vector<std::size_t> next(n), prev(n);
+  std::vector<std::uint32_t> version(n, 0);  // bumped when a token changes or is merged away
+  for (std::size_t i = 0; i < n; ++i) {
+    next[i] = i + 1;
+    prev[i] = i == 0 ? n : i - 1;
   }
-  if (bos) tokens.insert(tokens.begin(), bos_);
-  if (eos) tokens.push_back(eos_);
-  return tokens;
+  struct candidate {
+    float score;
+    std::size_t left, right;
+    std::uint32_t left_version, right_version;
+    int id;
+  };
+  const auto worse = [](const candidate& a, const candidate& b) {
+    return a.score < b.score || (a.score == b.score && a.left > b.left);
+  };
+  std::priority_queue<candidate, std::vector<candidate>, decltype(worse)> heap(worse);
+  const auto offer = [&](std::size_t left) {
+    if (left >= n || next[left] >= n) return;
+    const std::size_t right = next[left];
+    const int id = lookup(pieces_[static_cast<std::size_t>(tokens[left])] + pieces_[static_cast<std::size_t>(tokens[right])]);
+    // run.c's scan starts from -1e10 and takes only a greater score (never a NaN).
+    if (id >= 0 && scores_[static_cast<std::size_t>(id)] > -1e10f)
+      heap.push({scores_[static_cast<std::size_t>(id)], left, right, version[left], version[right], id});
+  };
+  for (std::size_t i = 0; i + 1 < n; ++i) offer(i);
+  while (!heap.empty()) {
+    const candidate c = heap.top();
+    heap.pop();
+    if (version[c.left] != c.left_version || version[c.right] != c.right_version || next[c.left] != c.right) continue;
+    tokens[c.left] = c.id;
+    ++version[c.left];
+    ++version[c.right];
+    next[c.left] = next[c.right];
+    if (next[c.left] < n) prev[next[c.left]] = c.left;
+    offer(c.left);
+    if (prev[c.left] < n) offer(prev[c.left]);
+  }
+  std::vector<int> merged;
+  merged.reserve(n + 2);
+  if (bos) merged.push_back(bos_);
+  for (std::size_t i = 0; i < n; i = next[i]) merged.push_back(tokens[i]);
+  if (eos) merged.push_back(eos_);
+  return merged;
 }
 
 std::string llama2c_tokenizer::decode_piece(int prev, int token) const {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -150,6 +151,76 @@ TEST_CASE("llama2c tokenizer: malformed files throw load_error") {
   expect(hdr + rec(0, "toolong"), load_errc::bad_tokenizer, 1);
   expect(std::string("\0\0\0\0", 4), load_errc::bad_tokenizer, 0);
   CHECK_THROWS_AS(llama2c_tokenizer(dir / "missing.bin", 4), load_error);
+}
+
+namespace {
+
+// run.c's merge loop, rescanning the sequence for each merge: the highest score, leftmost among
+// equal scores. The reference the tokenizer's heap of pairs must reproduce.
+std::vector<int> rescan_merges(const llama2c_tokenizer& tok, std::vector<int> t) {
+  std::map<std::string, int> index;
+  for (int id = 3; id < tok.vocab_size(); ++id) index.emplace(tok.piece(id), id);  // 0-2: control pieces
+  for (;;) {
+    float best = -1e10f;
+    std::size_t at = t.size();
+    int merged = -1;
+    for (std::size_t i = 0; i + 1 < t.size(); ++i) {
+      const auto it = index.find(tok.piece(t[i]) + tok.piece(t[i + 1]));
+      if (it != index.end() && tok.score(it->second) > best) {
+        best = tok.score(it->second);
+        at = i;
+        merged = it->second;
+      }
+    }
+    if (at == t.size()) return t;
+    t[at] = merged;
+    t.erase(t.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("llama2c tokenizer: merges equal run.c's rescanning loop, ties to the leftmost pair") {
+  // Many equal scores, merges that compete for a token, and pieces reachable two ways.
+  const std::vector<std::string> pieces{"<unk>", "<s>", "</s>", "a", "b", "c", " ", "ab", "bc", "ca", "aa",
+                                        "abc", "cab", "aab", "bca", "  ", "a ", "aa ", "cc"};
+  const std::vector<float> scores{0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 3, 3, 2, 2, 0.5f, 1, 2, -2e10f};
+  const llama2c_tokenizer tok(pieces, scores, 1, 2, false, {}, 0);
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string text;
+    std::vector<int> chars;
+    const int length = 1 + static_cast<int>(rng() % 400);
+    for (int i = 0; i < length; ++i) {
+      const char c = "abc "[rng() % 4];
+      text += c;
+      chars.push_back(c == ' ' ? 6 : 3 + (c - 'a'));
+    }
+    CAPTURE(text);
+    CHECK(tok.encode(text, false, false) == rescan_merges(tok, chars));
+  }
+  // A real vocabulary over a long text.
+  const auto path = shared_dir / "models/pycode-15m/tokenizer.bin";
+  if (!have(path)) return;
+  const llama2c_tokenizer code(path, 0, false);
+  std::string text;
+  const std::string words[] = {"def ", "return ", "self", ".", "(", ")", ":\n", "    ", "x", "_", "1", " = ", "if ", "é", "€"};
+  while (text.size() < 6000) text += words[rng() % std::size(words)];
+  const std::vector<int> got = code.encode(text, false, false);
+  std::string round_trip;
+  for (const int id : got) round_trip += code.decode_piece(-1, id);
+  CHECK(round_trip == text);
+  // The reference starts, as encode does, from the text's code points (each one piece here, or its
+  // bytes' pieces, which merge with nothing).
+  std::vector<int> start;
+  for (std::size_t i = 0; i < text.size();) {
+    std::size_t len = 1;
+    while (i + len < text.size() && (static_cast<unsigned char>(text[i + len]) & 0xC0) == 0x80) ++len;
+    const std::vector<int> one = code.encode(text.substr(i, len), false, false);
+    start.insert(start.end(), one.begin(), one.end());
+    i += len;
+  }
+  CHECK(got == rescan_merges(code, start));
 }
 
 TEST_CASE("vocabulary_difference names the first token two vocabularies disagree on") {
