@@ -14,7 +14,9 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <queue>
+#include <utility>
 
 namespace medusa_llama {
 
@@ -53,6 +55,58 @@ std::string replace_all(std::string_view s, std::string_view from, std::string_v
       out += s[i++];
     }
   }
+  return out;
+}
+
+// Merges adjacent tokens until no pair merges, the best pair first: the highest priority, the
+// leftmost of equal ones (run.c's and the tokenizers library's order). `pair(left, right)` gives
+// the priority and merged token of a pair that merges, or nothing. A rescan per merge, as run.c
+// does, is quadratic in the text (a 100 KiB file took half a minute); here the candidate pairs
+// wait in a heap and a pair whose tokens have since changed is dropped when it comes up. The
+// tokens keep their order in a linked list, so "leftmost" is the smallest original index.
+template <class Priority, class Pair>
+std::vector<int> merge_best_pairs(std::vector<int> tokens, bool bos, int bos_id, bool eos, int eos_id, Pair&& pair) {
+  const std::size_t n = tokens.size();
+  std::vector<std::size_t> next(n), prev(n);
+  std::vector<std::uint32_t> version(n, 0);  // bumped when a token changes or is merged away
+  for (std::size_t i = 0; i < n; ++i) {
+    next[i] = i + 1;
+    prev[i] = i == 0 ? n : i - 1;
+  }
+  struct candidate {
+    Priority priority;
+    std::size_t left, right;
+    std::uint32_t left_version, right_version;
+    int merged;
+  };
+  const auto worse = [](const candidate& a, const candidate& b) {
+    return a.priority < b.priority || (a.priority == b.priority && a.left > b.left);
+  };
+  std::priority_queue<candidate, std::vector<candidate>, decltype(worse)> heap(worse);
+  const auto offer = [&](std::size_t left) {
+    if (left >= n || next[left] >= n) return;
+    const std::size_t right = next[left];
+    if (const std::optional<std::pair<Priority, int>> m = pair(tokens[left], tokens[right]))
+      heap.push({m->first, left, right, version[left], version[right], m->second});
+  };
+  for (std::size_t i = 0; i + 1 < n; ++i) offer(i);
+  while (!heap.empty()) {
+    const candidate c = heap.top();
+    heap.pop();
+    if (version[c.left] != c.left_version || version[c.right] != c.right_version || next[c.left] != c.right) continue;
+    tokens[c.left] = c.merged;
+    ++version[c.left];
+    ++version[c.right];
+    next[c.left] = next[c.right];
+    if (next[c.left] < n) prev[next[c.left]] = c.left;
+    offer(c.left);
+    if (prev[c.left] < n) offer(prev[c.left]);
+  }
+  std::vector<int> out;
+  out.reserve(n + 2);
+  if (bos) out.push_back(bos_id);
+  for (std::size_t i = 0; i < n; i = next[i]) out.push_back(tokens[i]);
+  if (eos) out.push_back(eos_id);
   return out;
 }
 
@@ -172,55 +226,13 @@ std::vector<int> llama2c_tokenizer::encode(std::string_view text, bool bos, bool
     }
     len = 0;
   }
-  // Merge the best-scoring adjacent pair until none merges (run.c; ties go to the leftmost pair).
-  // run.c rescans the sequence for each merge, quadratic in the text (a 100 KiB file took half a
-  // minute); here the candidate pairs wait in a heap, best score first and leftmost among equal
-  // scores, and a pair whose tokens have since changed is dropped when it comes up. The tokens keep
-  // their order in a linked list, so "leftmost" is the smallest original index.
-  const std::size_t n = tokens.size();
-  std::vector<std::size_t> next(n), prev(n);
-  std::vector<std::uint32_t> version(n, 0);  // bumped when a token changes or is merged away
-  for (std::size_t i = 0; i < n; ++i) {
-    next[i] = i + 1;
-    prev[i] = i == 0 ? n : i - 1;
-  }
-  struct candidate {
-    float score;
-    std::size_t left, right;
-    std::uint32_t left_version, right_version;
-    int id;
-  };
-  const auto worse = [](const candidate& a, const candidate& b) {
-    return a.score < b.score || (a.score == b.score && a.left > b.left);
-  };
-  std::priority_queue<candidate, std::vector<candidate>, decltype(worse)> heap(worse);
-  const auto offer = [&](std::size_t left) {
-    if (left >= n || next[left] >= n) return;
-    const std::size_t right = next[left];
-    const int id = lookup(pieces_[static_cast<std::size_t>(tokens[left])] + pieces_[static_cast<std::size_t>(tokens[right])]);
-    // run.c's scan starts from -1e10 and takes only a greater score (never a NaN).
-    if (id >= 0 && scores_[static_cast<std::size_t>(id)] > -1e10f)
-      heap.push({scores_[static_cast<std::size_t>(id)], left, right, version[left], version[right], id});
-  };
-  for (std::size_t i = 0; i + 1 < n; ++i) offer(i);
-  while (!heap.empty()) {
-    const candidate c = heap.top();
-    heap.pop();
-    if (version[c.left] != c.left_version || version[c.right] != c.right_version || next[c.left] != c.right) continue;
-    tokens[c.left] = c.id;
-    ++version[c.left];
-    ++version[c.right];
-    next[c.left] = next[c.right];
-    if (next[c.left] < n) prev[next[c.left]] = c.left;
-    offer(c.left);
-    if (prev[c.left] < n) offer(prev[c.left]);
-  }
-  std::vector<int> merged;
-  merged.reserve(n + 2);
-  if (bos) merged.push_back(bos_);
-  for (std::size_t i = 0; i < n; i = next[i]) merged.push_back(tokens[i]);
-  if (eos) merged.push_back(eos_);
-  return merged;
+  // Merge the best-scoring adjacent pair until none merges (run.c: ties go to the leftmost pair; a
+  // score must beat run.c's starting -1e10, which no NaN does).
+  return merge_best_pairs<float>(std::move(tokens), bos, bos_, eos, eos_, [&](int left, int right) -> std::optional<std::pair<float, int>> {
+    const int id = lookup(pieces_[static_cast<std::size_t>(left)] + pieces_[static_cast<std::size_t>(right)]);
+    if (id < 0 || !(scores_[static_cast<std::size_t>(id)] > -1e10f)) return std::nullopt;
+    return std::make_pair(scores_[static_cast<std::size_t>(id)], id);
+  });
 }
 
 std::string llama2c_tokenizer::decode_piece(int prev, int token) const {
@@ -380,27 +392,12 @@ std::vector<int> hf_tokenizer::encode(std::string_view text, bool bos, bool eos)
     i += len;
   }
   // Lowest-rank merge first, leftmost on ties (equivalent to tokenizers' priority queue).
-  auto merge_of = [&](std::size_t i) -> std::pair<int, int> {
-    const std::uint64_t key = (static_cast<std::uint64_t>(sym[i]) << 32) | static_cast<std::uint32_t>(sym[i + 1]);
-    auto it = merges_.find(key);
-    return it == merges_.end() ? std::make_pair(std::numeric_limits<int>::max(), -1) : it->second;
-  };
-  std::vector<std::pair<int, int>> pm;
-  for (std::size_t i = 0; i + 1 < sym.size(); ++i) pm.push_back(merge_of(i));
-  for (;;) {
-    std::size_t best = pm.size();
-    for (std::size_t i = 0; i < pm.size(); ++i)
-      if (pm[i].second >= 0 && (best == pm.size() || pm[i].first < pm[best].first)) best = i;
-    if (best == pm.size()) break;
-    sym[best] = pm[best].second;
-    sym.erase(sym.begin() + static_cast<std::ptrdiff_t>(best) + 1);
-    pm.erase(pm.begin() + static_cast<std::ptrdiff_t>(best));
-    if (best < pm.size()) pm[best] = merge_of(best);
-    if (best > 0) pm[best - 1] = merge_of(best - 1);
-  }
-  if (bos) sym.insert(sym.begin(), bos_);
-  if (eos) sym.push_back(eos_);
-  return sym;
+  return merge_best_pairs<std::int64_t>(std::move(sym), bos, bos_, eos, eos_, [&](int left, int right) -> std::optional<std::pair<std::int64_t, int>> {
+    const std::uint64_t key = (static_cast<std::uint64_t>(left) << 32) | static_cast<std::uint32_t>(right);
+    const auto it = merges_.find(key);
+    if (it == merges_.end() || it->second.second < 0) return std::nullopt;
+    return std::make_pair(-static_cast<std::int64_t>(it->second.first), it->second.second);
+  });
 }
 
 std::string hf_tokenizer::decode_piece(int prev, int token) const {
