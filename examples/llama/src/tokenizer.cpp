@@ -93,7 +93,8 @@ std::vector<int> merge_best_pairs(std::vector<int> tokens, bool bos, int bos_id,
   while (!heap.empty()) {
     const candidate c = heap.top();
     heap.pop();
-    if (version[c.left] != c.left_version || version[c.right] != c.right_version || next[c.left] != c.right) continue;
+    // Stale: either token changed or was merged away (a changed next[left] bumps left's version).
+    if (version[c.left] != c.left_version || version[c.right] != c.right_version) continue;
     tokens[c.left] = c.merged;
     ++version[c.left];
     ++version[c.right];
