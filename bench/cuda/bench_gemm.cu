@@ -7,12 +7,14 @@
 // (≥ 1.4 GB ≫ the 50 MB L2) so each launch streams its weights from memory; the counter `TB/s` is
 // the weights' bytes over the time. Exits 77 without a device.
 //
-// `BM_skinny_gemm_two_blocks` times a candidate for 33 rows and more: the library's 8-row-tile
-// instance compiled for two blocks an SM (`__launch_bounds__(256, 2)`: 128 registers and about 100
-// bytes of spills, where the library's instance takes 142 registers and fits one; docs/cuda.md,
-// known issues). It runs the same body, so it must give the same bits: each case first compares
-// its output with the library's on random data and fails otherwise. Counter `blocks/SM`: the
-// resident blocks an SM holds of the instance timed (in `BM_skinny_gemm` too).
+// `BM_skinny_gemm_schedule<RT, F, S, CH, B>` times other schedules of the library's body
+// (`skinny_gemm_body<RT, F, S, CH>`: row tiles, 16-feature tiles, ring stages, chunks a stage)
+// compiled for at least B blocks an SM (B = 0: `__launch_bounds__(256)` alone, as the library's
+// instances), beside `BM_skinny_gemm` (the library's instances: 1, 1, 2, 2 up to 8 rows; 4, 1, 3,
+// 1 up to 32; 8, 2, 2, 1 from 33 rows, whose 142 registers fit one block an SM). A schedule
+// reorders the copies, not an element's arithmetic, so it must give the library's bits: each case
+// first compares its output with the library's on random data and fails otherwise. Counter
+// `blocks/SM`: the resident blocks an SM holds of the kernel timed.
 #include <benchmark/benchmark.h>
 #include <cublas_v2.h>
 #include <medusa/cuda/common.cuh>
@@ -136,11 +138,13 @@ void BM_cublas_gemm(benchmark::State& state) {
   cublasDestroy(h);
 }
 
-// The library's 8-row-tile instance (33 rows and more) bounded to two blocks an SM.
-__global__ void __launch_bounds__(mk::skinny_gemm_threads, 2)
-    skinny_gemm_two_blocks(const mk::skinny_gemm_plan plan, const mk::skinny_gemm_params<T> a, bool aligned) {
+// The body with another schedule, at least `MinBlocks` blocks an SM (0: no bound, as the library's
+// instances; ptxas allocates registers differently for a bound of 1).
+template <int RT, int F, int S, int CH, int MinBlocks>
+__global__ void __launch_bounds__(mk::skinny_gemm_threads, MinBlocks)
+    skinny_gemm_schedule(const mk::skinny_gemm_plan plan, const mk::skinny_gemm_params<T> a, bool aligned) {
   mc::device_context ctx;
-  mk::skinny_gemm_body<mk::skinny_gemm_max_row_tiles, 2>(ctx, plan, a, aligned);
+  mk::skinny_gemm_body<RT, F, S, CH>(ctx, plan, a, aligned);
 }
 
 // Fills p[0, n) with values in [-1, 1) from a hash of the index: varied data for the bits check.
@@ -154,49 +158,47 @@ __global__ void fill_hash(T* p, std::size_t n, std::uint32_t seed) {
   }
 }
 
-void BM_skinny_gemm_two_blocks(benchmark::State& state) {
+template <int RT, int F, int S, int CH, int MinBlocks>
+void BM_skinny_gemm_schedule(benchmark::State& state) {
   const shape& sh = shapes[state.range(0)];
   const int rows = static_cast<int>(state.range(1));
-  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = sh.n, .k = sh.k, .rows = rows});
-  if (plan.row_tiles != mk::skinny_gemm_max_row_tiles) {
-    state.SkipWithError("the variant is the 8-row-tile instance: 33 rows or more");
-    return;
-  }
-  mc::check(cudaFuncSetAttribute(skinny_gemm_two_blocks, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  const mk::skinny_gemm_plan library = mk::plan_skinny_gemm({.n = sh.n, .k = sh.k, .rows = rows});
+  const mk::skinny_gemm_plan plan = mk::detail::skinny_gemm_rescheduled<RT, F, S, CH>(library);
+  constexpr auto kernel = skinny_gemm_schedule<RT, F, S, CH, MinBlocks>;
+  mc::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(plan.launch.shared_bytes)),
             "cudaFuncSetAttribute");
   const dim3 grid(static_cast<unsigned>(plan.launch.grid_x), static_cast<unsigned>(plan.launch.grid_y));
   const auto launch = [&](const void* w, const void* x, void* y, cudaStream_t s) {
     const mk::skinny_gemm_params<T> a{static_cast<const T*>(w), static_cast<const T*>(x), static_cast<float*>(y), false};
-    skinny_gemm_two_blocks<<<grid, plan.launch.threads, plan.launch.shared_bytes, s>>>(plan, a,
-                                                                                       mk::skinny_gemm_aligned(plan, a));
+    kernel<<<grid, plan.launch.threads, plan.launch.shared_bytes, s>>>(plan, a, mk::skinny_gemm_aligned(plan, a));
   };
-  {  // The same bits as the library's instance, on random W and X.
+  {  // The library instance's bits, on random W and X.
     const std::size_t out = static_cast<std::size_t>(rows) * static_cast<std::size_t>(sh.n);
     device_bytes w(static_cast<std::size_t>(sh.n) * sh.k * sizeof(T)), x(static_cast<std::size_t>(rows) * sh.k * sizeof(T));
     device_bytes y_lib(out * sizeof(float)), y_var(out * sizeof(float));
     fill_hash<<<1024, 256>>>(static_cast<T*>(w.p), static_cast<std::size_t>(sh.n) * sh.k, 1u);
     fill_hash<<<1024, 256>>>(static_cast<T*>(x.p), static_cast<std::size_t>(rows) * sh.k, 2u);
-    mc::check(mc::run(plan, mk::skinny_gemm_params<T>{static_cast<const T*>(w.p), static_cast<const T*>(x.p),
+    mc::check(mc::run(library, mk::skinny_gemm_params<T>{static_cast<const T*>(w.p), static_cast<const T*>(x.p),
                                                       static_cast<float*>(y_lib.p), false},
                       nullptr),
               "skinny gemm");
     launch(w.p, x.p, y_var.p, nullptr);
-    mc::check(cudaGetLastError(), "two-block skinny gemm");
+    mc::check(cudaGetLastError(), "skinny gemm schedule");
     mc::check(cudaDeviceSynchronize(), "bits check");
     std::vector<float> a(out), b(out);
     mc::check(cudaMemcpy(a.data(), y_lib.p, out * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy");
     mc::check(cudaMemcpy(b.data(), y_var.p, out * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy");
     if (std::memcmp(a.data(), b.data(), out * sizeof(float)) != 0) {
-      state.SkipWithError("the two-block instance's bits differ from the library instance's");
+      state.SkipWithError("the schedule's bits differ from the library instance's");
       return;
     }
   }
   time_launches(state, sh, rows, [&](void* w, void* x, void* y, cudaStream_t s) {
     launch(w, x, y, s);
-    mc::check(cudaGetLastError(), "two-block skinny gemm");
+    mc::check(cudaGetLastError(), "skinny gemm schedule");
   });
-  state.counters["blocks/SM"] = blocks_per_sm(skinny_gemm_two_blocks, plan.launch.shared_bytes);
+  state.counters["blocks/SM"] = blocks_per_sm(kernel, plan.launch.shared_bytes);
 }
 
 void gemm_sizes(benchmark::internal::Benchmark* b) {
@@ -205,15 +207,31 @@ void gemm_sizes(benchmark::internal::Benchmark* b) {
   b->UseManualTime()->Unit(benchmark::kMicrosecond);
 }
 
-void wide_gemm_sizes(benchmark::internal::Benchmark* b) {
-  for (int s = 0; s < static_cast<int>(std::size(shapes)); ++s)
-    for (const int rows : {40, 64, 128}) b->Args({s, rows});
+// The linear layers (not lm_head) at `Rows`.
+template <int... Rows>
+void layer_sizes(benchmark::internal::Benchmark* b) {
+  for (int s = 0; s < 4; ++s)
+    for (const int rows : {Rows...}) b->Args({s, rows});
   b->UseManualTime()->Unit(benchmark::kMicrosecond);
 }
 
 BENCHMARK(BM_skinny_gemm)->Apply(gemm_sizes);
 BENCHMARK(BM_cublas_gemm)->Apply(gemm_sizes);
-BENCHMARK(BM_skinny_gemm_two_blocks)->Apply(wide_gemm_sizes);
+// 9 to 32 rows: the library's schedule bounded to one block an SM (ptxas then gives it 90
+// registers on sm_90 instead of 64), 2 row tiles (a pass of 16 in one group), more stages or
+// chunks a stage, 2 feature tiles.
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 4, 1, 3, 1, 1)->Apply(layer_sizes<16, 32>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 2, 1, 3, 1, 0)->Apply(layer_sizes<16, 32>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 2, 1, 2, 2, 0)->Apply(layer_sizes<16, 32>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 4, 1, 4, 1, 0)->Apply(layer_sizes<16, 32>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 4, 1, 2, 2, 0)->Apply(layer_sizes<16, 32>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 4, 2, 2, 1, 0)->Apply(layer_sizes<16, 32>);
+// 33 rows on: the library's schedule bounded to two blocks an SM (128 registers, about 100 bytes
+// of spills), one feature tile (78 registers) with 2 or 3 stages, 4 row tiles in two groups.
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 8, 2, 2, 1, 2)->Apply(layer_sizes<64, 128>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 8, 1, 2, 1, 0)->Apply(layer_sizes<64, 128>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 8, 1, 3, 1, 0)->Apply(layer_sizes<64, 128>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 4, 1, 3, 1, 0)->Apply(layer_sizes<64, 128>);
 
 }  // namespace
 

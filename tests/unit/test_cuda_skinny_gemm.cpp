@@ -48,7 +48,41 @@ std::vector<T> emulated_swiglu(const gemm_case<T>& s, int rows, int columns) {
   return h;
 }
 
+// `emulated` through another schedule of the body, `skinny_gemm_body<RT, F, S, CH>`.
+template <int RT, int F, int S, int CH, class T>
+std::vector<float> emulated_schedule(const gemm_case<T>& c, int rows, bool accumulate, int offset = 0) {
+  const mk::skinny_gemm_plan plan =
+      mk::detail::skinny_gemm_rescheduled<RT, F, S, CH>(mk::plan_skinny_gemm({.n = c.n, .k = c.k, .rows = rows}));
+  std::vector<T> x(static_cast<std::size_t>(offset) + c.x.size());
+  std::memcpy(x.data() + offset, c.x.data(), c.x.size() * sizeof(T));
+  std::vector<float> y = c.y0;
+  const mk::skinny_gemm_params<T> a{c.w.data(), x.data() + offset, y.data(), accumulate};
+  const bool aligned = mk::skinny_gemm_aligned(plan, a);
+  mc::emulate(plan.launch, [&](auto& ctx) { mk::skinny_gemm_body<RT, F, S, CH>(ctx, plan, a, aligned); });
+  return y;
+}
+
 }  // namespace
+
+TEST_CASE("skinny gemm: other schedules of the body give the library instance's bits") {
+  // Row and feature tiles, ring stages and chunks a stage other than the library's (bench_gemm
+  // times such schedules on a device): partial feature and row tiles, k not a multiple of 32 (a
+  // warp's last stage half full at two or four chunks a stage), 16-byte and element-wise loads.
+  const int n = 40, k = mc::emulation_sanitized ? 104 : 264;
+  const gemm_case<medusa::bfloat16> c(n, k, 45, 41);
+  for (const int offset : {0, 1})
+    for (const int rows : {1, 13, 45}) {
+      CAPTURE(offset);
+      CAPTURE(rows);
+      const std::vector<float> library = emulated(c, rows, true, offset);
+      CHECK(same_rows(emulated_schedule<2, 1, 3, 1>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated_schedule<2, 1, 2, 2>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated_schedule<4, 2, 2, 1>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated_schedule<4, 1, 4, 1>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated_schedule<8, 1, 3, 1>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated_schedule<1, 1, 3, 4>(c, rows, true, offset), library, rows, n));
+    }
+}
 
 TEST_CASE_TEMPLATE("skinny gemm: the SwiGLU epilogue has the bits of the plain GEMM and SiLU(gate)·up", T,
                    medusa::bfloat16, medusa::half) {

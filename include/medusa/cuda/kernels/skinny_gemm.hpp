@@ -132,7 +132,8 @@ namespace detail {
 // X at 8 row tiles), ring stages per warp, and 32-element chunks per stage: the fastest of the
 // schedules measured on an H200, each at most 96 KiB of shared memory, so that two or three blocks
 // share an SM (and a consumer GPU's 99 KiB a block suffices). The plan's grid and the launched
-// instance both read them here.
+// instance both read them here. (The body takes any schedule as template arguments: bench_gemm
+// times others against these.)
 MEDUSA_HOST_DEVICE constexpr int skinny_gemm_feature_tiles(int row_tiles) noexcept { return row_tiles == 8 ? 2 : 1; }
 MEDUSA_HOST_DEVICE constexpr int skinny_gemm_stages(int row_tiles) noexcept { return row_tiles == 4 ? 3 : 2; }
 MEDUSA_HOST_DEVICE constexpr int skinny_gemm_stage_chunks(int row_tiles) noexcept { return row_tiles == 1 ? 2 : 1; }
@@ -140,21 +141,28 @@ MEDUSA_HOST_DEVICE constexpr int skinny_gemm_stage_chunks(int row_tiles) noexcep
 // is 128 bytes or more, so that the eight lanes of a quarter-warp read eight distinct bank groups.
 MEDUSA_HOST_DEVICE constexpr int skinny_gemm_row_stride(int chunks) noexcept { return 4 * chunks + (chunks == 1 ? 0 : 4); }
 // Rows (of W and X) in one stage.
-MEDUSA_HOST_DEVICE constexpr int skinny_gemm_stage_rows(int row_tiles) noexcept { return 16 * skinny_gemm_feature_tiles(row_tiles) + 8 * row_tiles; }
+MEDUSA_HOST_DEVICE constexpr int skinny_gemm_stage_rows(int row_tiles, int feature_tiles) noexcept {
+  return 16 * feature_tiles + 8 * row_tiles;
+}
 
 [[noreturn]] inline void skinny_gemm_fail(launch_errc c, const std::string& what) {
   throw launch_error(c, "skinny gemm: " + what);
 }
 
-// Shared bytes: every warp's ring; after the k loop, one warp's partial sums at a time (the
-// cross-warp sum goes in warp order) in the same bytes.
-constexpr std::size_t skinny_gemm_shared_bytes(int row_tiles) noexcept {
-  const std::size_t ring = std::size_t{skinny_gemm_warps} * static_cast<std::size_t>(skinny_gemm_stages(row_tiles)) *
-                           static_cast<std::size_t>(skinny_gemm_stage_rows(row_tiles)) *
-                           static_cast<std::size_t>(skinny_gemm_row_stride(skinny_gemm_stage_chunks(row_tiles))) * 16;
-  const std::size_t partial = static_cast<std::size_t>(row_tiles) *
-                              static_cast<std::size_t>(skinny_gemm_feature_tiles(row_tiles)) * warp_size * 4 * sizeof(float);
+// Shared bytes of a schedule: every warp's ring; after the k loop, one warp's partial sums at a
+// time (the cross-warp sum goes in warp order) in the same bytes.
+constexpr std::size_t skinny_gemm_shared_bytes(int row_tiles, int feature_tiles, int stages, int stage_chunks) noexcept {
+  const std::size_t ring = std::size_t{skinny_gemm_warps} * static_cast<std::size_t>(stages) *
+                           static_cast<std::size_t>(skinny_gemm_stage_rows(row_tiles, feature_tiles)) *
+                           static_cast<std::size_t>(skinny_gemm_row_stride(stage_chunks)) * 16;
+  const std::size_t partial =
+      static_cast<std::size_t>(row_tiles) * static_cast<std::size_t>(feature_tiles) * warp_size * 4 * sizeof(float);
   return ring > partial ? ring : partial;
+}
+// ... of the library's instance with `row_tiles`.
+constexpr std::size_t skinny_gemm_shared_bytes(int row_tiles) noexcept {
+  return skinny_gemm_shared_bytes(row_tiles, skinny_gemm_feature_tiles(row_tiles), skinny_gemm_stages(row_tiles),
+                                  skinny_gemm_stage_chunks(row_tiles));
 }
 
 // Sixteen bytes of the ring: eight elements, two to a register.
@@ -200,11 +208,38 @@ MEDUSA_KERNEL_FN void fill_rows(Ctx& ctx, skinny_words* stage, const T* m, std::
   }
 }
 
+// `plan` with `row_tiles` × `feature_tiles` blocks of `shared_bytes`: its grid, checked against the
+// device's limits.
+inline skinny_gemm_plan skinny_gemm_tiled(skinny_gemm_plan plan, int row_tiles, int feature_tiles, std::size_t shared_bytes) {
+  const skinny_gemm_problem& p = plan.problem;
+  plan.row_tiles = row_tiles;
+  plan.feature_tiles = feature_tiles;
+  const std::int64_t grid_x = (std::int64_t{p.n} + 16 * feature_tiles - 1) / (16 * feature_tiles);
+  const std::int64_t grid_y = (std::int64_t{p.rows} + 8 * row_tiles - 1) / (8 * row_tiles) * std::int64_t{p.batch};
+  if (grid_x > std::numeric_limits<int>::max() || grid_y > 65535)
+    skinny_gemm_fail(launch_errc::invalid_shape, "grid of " + std::to_string(grid_x) + " x " + std::to_string(grid_y) +
+                                                     " blocks is beyond the device's limits");
+  plan.launch = {.grid_x = static_cast<int>(grid_x),
+                 .grid_y = static_cast<int>(grid_y),
+                 .threads = skinny_gemm_threads,
+                 .shared_bytes = shared_bytes};
+  return plan;
+}
+
+// A validated plan (`plan_skinny_gemm`) for another schedule of the body,
+// `skinny_gemm_body<RT, F, S, CH>`: the grid and shared bytes it needs. bench_gemm and the tests
+// run such schedules; they give the library instance's bits.
+template <int RT, int F, int S, int CH>
+skinny_gemm_plan skinny_gemm_rescheduled(const skinny_gemm_plan& plan) {
+  return skinny_gemm_tiled(plan, RT, F, skinny_gemm_shared_bytes(RT, F, S, CH));
+}
+
 }  // namespace detail
 
 //! Validates `p` and picks the launch.
 //! @throws launch_error `invalid_shape`: a size below 1, a grid beyond the device's limits, a
 //!         SwiGLU plan whose n is not a multiple of 16; `unsupported`: a SwiGLU plan with a batch
+//!         of more than one GEMM.
 [[nodiscard]] inline skinny_gemm_plan plan_skinny_gemm(const skinny_gemm_problem& p) {
   using detail::skinny_gemm_fail;
   if (p.n < 1 || p.k < 1 || p.rows < 1 || p.batch < 1)
@@ -220,19 +255,9 @@ MEDUSA_KERNEL_FN void fill_rows(Ctx& ctx, skinny_words* stage, const T* m, std::
   plan.problem = p;
   // Three instances: up to 8 rows, up to 32, more (each further instance costs every CUDA build
   // of an engine its compile time).
-  plan.row_tiles = p.rows <= 8 ? 1 : p.rows <= 32 ? 4 : skinny_gemm_max_row_tiles;
-  plan.feature_tiles = detail::skinny_gemm_feature_tiles(plan.row_tiles);
-  const std::int64_t grid_x = (std::int64_t{p.n} + 16 * plan.feature_tiles - 1) / (16 * plan.feature_tiles);
-  const std::int64_t grid_y =
-      (std::int64_t{p.rows} + 8 * plan.row_tiles - 1) / (8 * plan.row_tiles) * std::int64_t{p.batch};
-  if (grid_x > std::numeric_limits<int>::max() || grid_y > 65535)
-    skinny_gemm_fail(launch_errc::invalid_shape, "grid of " + std::to_string(grid_x) + " x " + std::to_string(grid_y) +
-                                                     " blocks is beyond the device's limits");
-  plan.launch = {.grid_x = static_cast<int>(grid_x),
-                 .grid_y = static_cast<int>(grid_y),
-                 .threads = skinny_gemm_threads,
-                 .shared_bytes = detail::skinny_gemm_shared_bytes(plan.row_tiles)};
-  return plan;
+  const int row_tiles = p.rows <= 8 ? 1 : p.rows <= 32 ? 4 : skinny_gemm_max_row_tiles;
+  return detail::skinny_gemm_tiled(plan, row_tiles, detail::skinny_gemm_feature_tiles(row_tiles),
+                                   detail::skinny_gemm_shared_bytes(row_tiles));
 }
 
 //! The plan of a SwiGLU GEMM with `columns` outputs of `k` inputs over `rows` rows (W of
@@ -281,18 +306,20 @@ template <class T>
 
 //! The kernel body: block (x, y) computes features `[16·F·x, 16·F·(x+1))` of rows
 //! `[8·RT·g, 8·RT·(g+1))` of GEMM `y / groups` of the batch, `g = y mod groups` (`groups` the row
-//! groups of one GEMM). `RT`, `F` are the plan's tiles; `aligned` is `skinny_gemm_aligned`.
-template <int RT, int F, class T, class Ctx>
+//! groups of one GEMM). `RT`, `F` are the plan's tiles; `aligned` is `skinny_gemm_aligned`. `S`
+//! (ring stages a warp) and `CH` (chunks a stage) default to the library's instance; other
+//! schedules (`detail::skinny_gemm_rescheduled` gives their plan) reorder the copies, not an
+//! element's arithmetic, so they give the same bits.
+template <int RT, int F, int S = detail::skinny_gemm_stages(RT), int CH = detail::skinny_gemm_stage_chunks(RT), class T,
+          class Ctx>
 MEDUSA_KERNEL_FN void skinny_gemm_body(Ctx& ctx, const skinny_gemm_plan& plan, const skinny_gemm_params<T>& a,
                                        bool aligned) {
   static_assert(std::is_same_v<T, medusa::bfloat16> || std::is_same_v<T, medusa::half>,
                 "the skinny GEMM multiplies bfloat16 or half");
-  static_assert(F == detail::skinny_gemm_feature_tiles(RT), "the instance's feature tiles follow its row tiles");
-  constexpr int S = detail::skinny_gemm_stages(RT);         // ring stages
-  constexpr int CH = detail::skinny_gemm_stage_chunks(RT);  // chunks per stage
-  constexpr int pieces = 4 * CH;                            // 16-byte pieces of a row per stage
+  static_assert(RT >= 1 && F >= 1 && S >= 1 && CH >= 1, "a schedule has at least one tile, stage and chunk");
+  constexpr int pieces = 4 * CH;  // 16-byte pieces of a row per stage
   constexpr int stride = detail::skinny_gemm_row_stride(CH);
-  constexpr int w_rows = 16 * F, rows_per_stage = detail::skinny_gemm_stage_rows(RT);
+  constexpr int w_rows = 16 * F, rows_per_stage = detail::skinny_gemm_stage_rows(RT, F);
   constexpr int stage_pieces = rows_per_stage * stride;
   const int n = plan.problem.n, k = plan.problem.k, rows = plan.problem.rows;
   const int lane = ctx.lane(), warp = ctx.warp();
