@@ -226,6 +226,12 @@ BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 2, 1, 2, 2, 0)->Apply(layer_sizes<16
 BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 4, 1, 4, 1, 0)->Apply(layer_sizes<16, 32>);
 BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 4, 1, 2, 2, 0)->Apply(layer_sizes<16, 32>);
 BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 4, 2, 2, 1, 0)->Apply(layer_sizes<16, 32>);
+// More features a block: each block re-reads the pass's X rows from L2 (8·RT rows × k) for its
+// 16·F rows of W, so at 4 row tiles and one feature tile it reads twice as many bytes of X as of W.
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 4, 2, 3, 1, 0)->Apply(layer_sizes<16, 32>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 4, 4, 2, 1, 0)->Apply(layer_sizes<16, 32>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 2, 2, 3, 1, 0)->Apply(layer_sizes<16, 32>);
+BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 2, 4, 2, 1, 0)->Apply(layer_sizes<16, 32>);
 // 33 rows on: the library's schedule bounded to two blocks an SM (128 registers, about 100 bytes
 // of spills), one feature tile (78 registers) with 2 or 3 stages, 4 row tiles in two groups.
 BENCHMARK_TEMPLATE(BM_skinny_gemm_schedule, 8, 2, 2, 1, 2)->Apply(layer_sizes<64, 128>);

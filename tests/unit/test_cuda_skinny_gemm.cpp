@@ -79,6 +79,7 @@ TEST_CASE("skinny gemm: other schedules of the body give the library instance's 
       CHECK(same_rows(emulated_schedule<2, 1, 2, 2>(c, rows, true, offset), library, rows, n));
       CHECK(same_rows(emulated_schedule<4, 2, 2, 1>(c, rows, true, offset), library, rows, n));
       CHECK(same_rows(emulated_schedule<4, 1, 4, 1>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated_schedule<4, 4, 2, 1>(c, rows, true, offset), library, rows, n));
       CHECK(same_rows(emulated_schedule<8, 1, 3, 1>(c, rows, true, offset), library, rows, n));
       CHECK(same_rows(emulated_schedule<1, 1, 3, 4>(c, rows, true, offset), library, rows, n));
     }
