@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // End to end on the real models in ../shared/models: greedy Medusa decoding through the example
 // engine equals plain greedy decoding token for token (random heads, several prompts and trees,
-// 256 new tokens), with run-time trees and, for presets, their compile-time trees through
-// medusa::dispatch_tree. Skips with a message when the shared models are absent.
+// 256 new tokens), with run-time trees and, for presets on each model's first prompt, their
+// compile-time trees through medusa::dispatch_tree. Skips with a message when the shared models are absent.
 // MEDUSA_E2E_NEW_TOKENS=N caps the new tokens per prompt and MEDUSA_E2E_PROMPTS=N the prompts per
 // model: the sanitizer and emulator runs use them to cover every model, tree and weight format in
 // a few minutes.
@@ -79,15 +79,20 @@ void check_lossless(const std::filesystem::path& model_path, const std::filesyst
       CHECK(out.tokens == vanilla.tokens);
       CHECK(out.reason == vanilla.reason);
       CHECK(out.stats.tree_steps > 0);
-      // A preset again on its compile-time tree.
+      // A preset again on its compile-time tree, on the first prompt (another tree's dispatch is
+      // the run-time tree above again).
       bool is_static = false;
-      const auto dispatched = medusa::dispatch_tree(tree, [&](const auto& tr) {
+      medusa::dispatch_tree(tree, [&](const auto& tr) {
         is_static = !std::is_same_v<std::remove_cvref_t<decltype(tr)>, medusa::tree>;
-        medusa::decoder d(model, heads, tr, medusa::greedy_policy{});
-        return d.generate(encoded[p], opt);
+        if (is_static && p == 0) {
+          medusa::decoder d(model, heads, tr, medusa::greedy_policy{});
+          const auto dispatched = d.generate(encoded[p], opt);
+          CHECK(dispatched.tokens == vanilla.tokens);
+          CHECK(dispatched.reason == vanilla.reason);
+        }
+        return 0;
       });
       CHECK(is_static == (medusa::preset_index(t) < medusa::preset_table.size()));
-      CHECK(dispatched.tokens == vanilla.tokens);
     }
   }
 }
