@@ -4,8 +4,11 @@
 # step-cost curve, caches it, picks a tree, reports it in --json, and stays lossless; a second run
 # reads the cache; `medusa-tree optimize` on the same curve picks the same tree; random heads
 # without a calibration get a small chain; bad calibration and cost files exit 2 with one line.
+# MEDUSA_TOOL_TEST_NEW_TOKENS caps the new tokens of the decoding runs (defaults 48 and 64; the
+# sanitizer runs use 16).
 # Usage: tree_auto.sh MEDUSA_RUN MEDUSA_TREE SHARED_DIR SCRATCH_DIR
 set -u
+capped() { local cap=${MEDUSA_TOOL_TEST_NEW_TOKENS:-$1}; if [ "$cap" -lt "$1" ]; then echo "$cap"; else echo "$1"; fi; }
 run=$1 tree=$2 shared=$3 scratch=$4
 pycode="$shared/models/pycode-15m/model.bin"
 if [ ! -f "$pycode" ]; then echo "shared models not found: skipped"; exit 77; fi
@@ -16,7 +19,7 @@ cat > "$d/calibration.json" <<'JSON'
 {"format": "medusa-calibration", "version": 2, "num_heads": 4, "topk": 10, "accuracy": [[0.6, 0.1], [0.5, 0.1], [0.5, 0.1], [0.4, 0.1]],
  "path_positions": 1000, "path_counts": [[[0], 600], [[1], 100], [[0, 0], 550], [[0, 0, 0], 500], [[0, 0, 0, 0], 450], [[1, 0], 20]]}
 JSON
-common=(--model "$pycode" --heads random:4 --calibration "$d/calibration.json" --cost-cache "$d/cache" --max-new-tokens 48
+common=(--model "$pycode" --heads random:4 --calibration "$d/calibration.json" --cost-cache "$d/cache" --max-new-tokens "$(capped 48)"
         --prompt 'def main():' --json)
 
 out=$("$run" "${common[@]}" --mode both --step-cost-out "$d/curve.json" 2>"$d/err1") || { cat "$d/err1"; fail "first run"; }
@@ -66,7 +69,7 @@ assert t["paths"] == [[0], [0, 0], [0, 0, 0]] and "reason" in t, t' || fail "ran
 # Hybrid and dynamic drafts, one request and a batch: identical to plain decoding.
 printf 'def main():\\n    x = 1\\n    x = 1\\n\nclass A:\\n    pass\\n\nimport os\\nimport os\\n\n' > "$d/prompts.txt"
 for extra in "--lookup 6" "--lookup 6 --dynamic --lookup-ngram 1:3" "--dynamic"; do
-  one=$("$run" --model "$pycode" --heads random:4 --tree '[[0],[0,0],[1]]' $extra --max-new-tokens 64 --prompt 'x = 1
+  one=$("$run" --model "$pycode" --heads random:4 --tree '[[0],[0,0],[1]]' $extra --max-new-tokens "$(capped 64)" --prompt 'x = 1
 x = 1
 ' --mode both --json 2>/dev/null) || fail "$extra: single run"
   python3 -c '
@@ -74,13 +77,13 @@ import json, sys
 v, m = [json.loads(l) for l in sys.stdin.read().splitlines()[:2]]
 assert v["tokens"] == m["tokens"], "tokens differ"
 assert m["tree"]["drafts"]["lookup_tokens"] >= 0' <<< "$one" || fail "$extra: not lossless"
-  sum=$("$run" --model "$pycode" --heads random:4 --tree '[[0],[0,0],[1]]' $extra --max-new-tokens 48 --prompts-file "$d/prompts.txt" \
+  sum=$("$run" --model "$pycode" --heads random:4 --tree '[[0],[0,0],[1]]' $extra --max-new-tokens "$(capped 48)" --prompts-file "$d/prompts.txt" \
         --batch 2 --mode both --json 2>/dev/null | tail -1) || fail "$extra: batch run"
   python3 -c 'import json, sys; s = json.loads(sys.stdin.read()); assert s["identical"], s' <<< "$sum" || fail "$extra: batch not lossless"
   echo "drafts $extra: lossless"
 done
 # Calibration from real decoding, usable by the tree search.
-"$run" --model "$pycode" --heads random:4 --mode vanilla --prompts-file "$d/prompts.txt" --max-new-tokens 48 \
+"$run" --model "$pycode" --heads random:4 --mode vanilla --prompts-file "$d/prompts.txt" --max-new-tokens "$(capped 48)" \
   --calibrate-out "$d/counted.json" >/dev/null 2>&1 || fail "--calibrate-out"
 "$tree" optimize --calibration "$d/counted.json" --cost "$d/curve.json" --format json >/dev/null || fail "counted calibration unusable"
 
