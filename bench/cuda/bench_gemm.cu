@@ -201,19 +201,17 @@ void BM_skinny_gemm_schedule(benchmark::State& state) {
   state.counters["blocks/SM"] = blocks_per_sm(kernel, plan.launch.shared_bytes);
 }
 
-void gemm_sizes(benchmark::internal::Benchmark* b) {
-  for (int s = 0; s < static_cast<int>(std::size(shapes)); ++s)
-    for (const int rows : {1, 2, 4, 8, 16, 32, 64, 128}) b->Args({s, rows});
-  b->UseManualTime()->Unit(benchmark::kMicrosecond);
-}
-
-// The linear layers (not lm_head) at `Rows`.
-template <int... Rows>
-void layer_sizes(benchmark::internal::Benchmark* b) {
-  for (int s = 0; s < 4; ++s)
+// The first `Shapes` shapes at `Rows`.
+template <int Shapes, int... Rows>
+void sizes(benchmark::internal::Benchmark* b) {
+  for (int s = 0; s < Shapes; ++s)
     for (const int rows : {Rows...}) b->Args({s, rows});
   b->UseManualTime()->Unit(benchmark::kMicrosecond);
 }
+constexpr auto gemm_sizes = sizes<static_cast<int>(std::size(shapes)), 1, 2, 4, 8, 16, 32, 64, 128>;
+// The linear layers (not lm_head) at `Rows`.
+template <int... Rows>
+constexpr auto layer_sizes = sizes<4, Rows...>;
 
 BENCHMARK(BM_skinny_gemm)->Apply(gemm_sizes);
 BENCHMARK(BM_cublas_gemm)->Apply(gemm_sizes);

@@ -23,15 +23,20 @@ using namespace medusa_test;
 namespace {
 
 // The emulated kernel over the first `rows` rows of `c`: X and Y offset by `offset` elements
-// (a misaligned X takes the element-wise loads).
-template <class T>
+// (a misaligned X takes the element-wise loads). `RT` > 0 runs another schedule of the body,
+// `skinny_gemm_body<RT, F, S, CH>`, instead of the library's instance.
+template <int RT = 0, int F = 0, int S = 0, int CH = 0, class T>
 std::vector<float> emulated(const gemm_case<T>& c, int rows, bool accumulate, int offset = 0) {
-  const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = c.n, .k = c.k, .rows = rows});
+  mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = c.n, .k = c.k, .rows = rows});
+  if constexpr (RT > 0) plan = mk::detail::skinny_gemm_rescheduled<RT, F, S, CH>(plan);
   std::vector<T> x(static_cast<std::size_t>(offset) + c.x.size());
   std::memcpy(x.data() + offset, c.x.data(), c.x.size() * sizeof(T));
   std::vector<float> y = c.y0;
   const mk::skinny_gemm_params<T> a{c.w.data(), x.data() + offset, y.data(), accumulate};
-  mc::emulate(plan.launch, [&](auto& ctx) { mk::skinny_gemm(ctx, plan, a); });
+  mc::emulate(plan.launch, [&](auto& ctx) {
+    if constexpr (RT > 0) mk::skinny_gemm_body<RT, F, S, CH>(ctx, plan, a, mk::skinny_gemm_aligned(plan, a));
+    else mk::skinny_gemm(ctx, plan, a);
+  });
   return y;
 }
 
@@ -48,20 +53,6 @@ std::vector<T> emulated_swiglu(const gemm_case<T>& s, int rows, int columns) {
   return h;
 }
 
-// `emulated` through another schedule of the body, `skinny_gemm_body<RT, F, S, CH>`.
-template <int RT, int F, int S, int CH, class T>
-std::vector<float> emulated_schedule(const gemm_case<T>& c, int rows, bool accumulate, int offset = 0) {
-  const mk::skinny_gemm_plan plan =
-      mk::detail::skinny_gemm_rescheduled<RT, F, S, CH>(mk::plan_skinny_gemm({.n = c.n, .k = c.k, .rows = rows}));
-  std::vector<T> x(static_cast<std::size_t>(offset) + c.x.size());
-  std::memcpy(x.data() + offset, c.x.data(), c.x.size() * sizeof(T));
-  std::vector<float> y = c.y0;
-  const mk::skinny_gemm_params<T> a{c.w.data(), x.data() + offset, y.data(), accumulate};
-  const bool aligned = mk::skinny_gemm_aligned(plan, a);
-  mc::emulate(plan.launch, [&](auto& ctx) { mk::skinny_gemm_body<RT, F, S, CH>(ctx, plan, a, aligned); });
-  return y;
-}
-
 }  // namespace
 
 TEST_CASE("skinny gemm: other schedules of the body give the library instance's bits") {
@@ -75,13 +66,13 @@ TEST_CASE("skinny gemm: other schedules of the body give the library instance's 
       CAPTURE(offset);
       CAPTURE(rows);
       const std::vector<float> library = emulated(c, rows, true, offset);
-      CHECK(same_rows(emulated_schedule<2, 1, 3, 1>(c, rows, true, offset), library, rows, n));
-      CHECK(same_rows(emulated_schedule<2, 1, 2, 2>(c, rows, true, offset), library, rows, n));
-      CHECK(same_rows(emulated_schedule<4, 2, 2, 1>(c, rows, true, offset), library, rows, n));
-      CHECK(same_rows(emulated_schedule<4, 1, 4, 1>(c, rows, true, offset), library, rows, n));
-      CHECK(same_rows(emulated_schedule<4, 4, 2, 1>(c, rows, true, offset), library, rows, n));
-      CHECK(same_rows(emulated_schedule<8, 1, 3, 1>(c, rows, true, offset), library, rows, n));
-      CHECK(same_rows(emulated_schedule<1, 1, 3, 4>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated<2, 1, 3, 1>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated<2, 1, 2, 2>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated<4, 2, 2, 1>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated<4, 1, 4, 1>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated<4, 4, 2, 1>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated<8, 1, 3, 1>(c, rows, true, offset), library, rows, n));
+      CHECK(same_rows(emulated<1, 1, 3, 4>(c, rows, true, offset), library, rows, n));
     }
 }
 
