@@ -6,3 +6,5 @@ set_property(TARGET ${name} PROPERTY LINK_LIBRARIES medusa::medusa doctest::doct
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   target_compile_options(${name} PRIVATE -march=x86-64-v4)
 endif()
+# Built with its own -march: not with the precompiled header of the other units.
+set_target_properties(${name} PROPERTIES DISABLE_PRECOMPILE_HEADERS ON)

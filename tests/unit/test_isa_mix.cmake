@@ -6,3 +6,5 @@ target_sources(${name} PRIVATE "${CMAKE_CURRENT_LIST_DIR}/isa_mix_other_tu.cpp")
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64|i.86)$")
   set_source_files_properties("${CMAKE_CURRENT_LIST_DIR}/isa_mix_other_tu.cpp" PROPERTIES COMPILE_OPTIONS "-mno-avx512f")
 endif()
+# One of its units has its own instruction set: not with the precompiled header of the other units.
+set_target_properties(${name} PROPERTIES DISABLE_PRECOMPILE_HEADERS ON)
