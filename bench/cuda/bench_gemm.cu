@@ -18,7 +18,7 @@
 #include <benchmark/benchmark.h>
 #include <cublas_v2.h>
 #include <medusa/cuda/common.cuh>
-#include <medusa/cuda/skinny_gemm.cuh>
+#include <medusa/cuda/skinny_gemm_instances.cuh>
 #include <medusa/half.hpp>
 
 #include <cstdint>

@@ -1,15 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// What the GPU tests share: device arrays and the main that reports "skipped" (exit 77, the ctest
-// SKIP_RETURN_CODE) on machines without a CUDA device. Include once per test, before anything
-// that includes doctest.
+// What the GPU tests share: device arrays. Their main (gpu_test_main.cpp, linked into each)
+// reports "skipped" (exit 77, the ctest SKIP_RETURN_CODE) on machines without a CUDA device.
 #pragma once
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 #include <medusa/cuda/common.cuh>
 
 #include <algorithm>
 #include <cstddef>
-#include <cstdio>
 #include <stdexcept>
 #include <vector>
 
@@ -42,15 +39,5 @@ class device_array {
   T* data_ = nullptr;
   std::size_t count_;
 };
-
-//! The tests' main: 77 without a device, else doctest's result.
-inline int gpu_test_main(int argc, char** argv) {
-  if (medusa::cuda::device_count() == 0) {
-    std::puts("no CUDA device: GPU tests skipped");
-    return 77;
-  }
-  doctest::Context ctx(argc, argv);
-  return ctx.run();
-}
 
 }  // namespace medusa_test

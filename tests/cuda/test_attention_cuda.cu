@@ -6,7 +6,7 @@
 // alone; a launch captured in a CUDA graph and replayed over new lengths; bad arguments refused.
 // Exits 77 (ctest: skipped) without a CUDA device.
 #include "gpu_test.hpp"
-#include <medusa/cuda/attention.cuh>
+#include <medusa/cuda/attention_instances.cuh>
 
 #include "../common_attention_cases.hpp"
 
@@ -259,5 +259,3 @@ TEST_CASE("bad launch arguments are refused with nothing launched") {
   CHECK(mc::run(plan, a, nullptr, 0, nullptr) == cudaSuccess);
   mc::check(cudaDeviceSynchronize(), "attention");
 }
-
-int main(int argc, char** argv) { return medusa_test::gpu_test_main(argc, argv); }

@@ -23,5 +23,3 @@ TEST_CASE("a kernel runs and its result comes back") {
   cudaFree(d);
   for (int v : h) REQUIRE(v == 1);
 }
-
-int main(int argc, char** argv) { return medusa_test::gpu_test_main(argc, argv); }

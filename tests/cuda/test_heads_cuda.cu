@@ -15,6 +15,7 @@
 #include "gpu_test.hpp"
 #include <medusa/cuda/common.cuh>
 #include <medusa/cuda/heads.cuh>
+#include <medusa/cuda/skinny_gemm_instances.cuh>
 
 #include "../unit/test_heads_common.hpp"
 
@@ -395,5 +396,3 @@ TEST_CASE("device heads run captured in a CUDA graph and replayed") {
   (void)cudaGraphExecDestroy(exec);
   (void)cudaGraphDestroy(graph);
 }
-
-int main(int argc, char** argv) { return medusa_test::gpu_test_main(argc, argv); }

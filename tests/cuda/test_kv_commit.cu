@@ -320,5 +320,3 @@ TEST_CASE("a commit captured in a CUDA graph replays over new paths") {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
-
-int main(int argc, char** argv) { return medusa_test::gpu_test_main(argc, argv); }

@@ -6,7 +6,7 @@
 // SiLU(gate)·up on the device, bit for bit, in passes of every size.
 #include "gpu_test.hpp"
 
-#include <medusa/cuda/skinny_gemm.cuh>
+#include <medusa/cuda/skinny_gemm_instances.cuh>
 #include <medusa/half.hpp>
 
 #include "../common_skinny_gemm_cases.hpp"
@@ -143,5 +143,3 @@ TEST_CASE("device skinny gemm: null arrays are refused with nothing launched") {
   const mk::skinny_gemm_plan plan = mk::plan_skinny_gemm({.n = 16, .k = 32, .rows = 1});
   CHECK(mc::run(plan, mk::skinny_gemm_params<medusa::bfloat16>{}, nullptr) == cudaErrorInvalidValue);
 }
-
-int main(int argc, char** argv) { return medusa_test::gpu_test_main(argc, argv); }

@@ -292,5 +292,3 @@ TEST_CASE("verify + candidates captured in a CUDA graph replay with the same res
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
-
-int main(int argc, char** argv) { return medusa_test::gpu_test_main(argc, argv); }

@@ -2,7 +2,6 @@
 // The step kernels' plan on the host: the head count is a run-time field of the plan, and the plan
 // refuses a head count below 1, below the tree's depth, or too large for the head rows. Nothing
 // here launches a kernel, so the test runs on machines without a CUDA device.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include <medusa/cuda/step.cuh>
 #include <medusa/tree.hpp>

@@ -7,7 +7,8 @@
 //! `run` picks the kernel instance for the plan's head-dim slices and mask kind on the host, so
 //! the device code has no such dispatch; it never allocates or synchronises, so a step's attention
 //! can be captured in a CUDA graph, and the arrays of `params` (lengths, indptr, masks, block
-//! tables) are read when the kernels run.
+//! tables) are read when the kernels run. `cuda/attention_instances.cuh` declares the launchers
+//! that `medusa::cuda_kernels` compiles, so that an engine links them instead.
 //!
 //! @code
 //! namespace mk = medusa::cuda::kernels;

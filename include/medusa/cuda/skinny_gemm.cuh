@@ -3,7 +3,8 @@
 //! The batch-invariant GEMM of a decode or tree step on the GPU (`Y = X·Wᵀ`, `Y += X·Wᵀ`, or an
 //! FFN's `SiLU(gate) ⊙ up`; W in bf16/f16, tensor cores, float accumulation): the `__global__`
 //! wrapper of `cuda/kernels/skinny_gemm.hpp` and its launcher. A row's bits do not depend on the number of
-//! rows in the pass (docs/cuda.md).
+//! rows in the pass (docs/cuda.md). `cuda/skinny_gemm_instances.cuh` declares the launchers that
+//! `medusa::cuda_kernels` compiles, so that an engine links them instead.
 //!
 //! @code
 //! namespace mk = medusa::cuda::kernels;

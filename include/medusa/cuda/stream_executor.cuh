@@ -3,10 +3,10 @@
 //! The `device_step` executor on a CUDA device: device memory, one non-blocking stream, kernel
 //! bodies as `__global__` functions, the step's kernels through `step_kernels<runtime_tree, float>`
 //! (compiled in `medusa::cuda_kernels`), the heads through `device_heads` and cuBLAS (or the skinny
-//! GEMM: `set_skinny_gemm_heads`), and CUDA graphs. Nothing here allocates or synchronises once a
-//! step is captured: the `make_*` calls make the plans and workspaces beforehand. Failures throw
-//! `cuda_error`, `cublas_error` or `launch_error`. An engine derives from it to add its forward's
-//! GEMMs and attention.
+//! GEMM, also compiled there: `set_skinny_gemm_heads`), and CUDA graphs. Nothing here allocates or
+//! synchronises once a step is captured: the `make_*` calls make the plans and workspaces
+//! beforehand. Failures throw `cuda_error`, `cublas_error` or `launch_error`. An engine derives
+//! from it to add its forward's GEMMs and attention.
 //!
 //! @code
 //! medusa::cuda::stream_executor ex(0);                      // device 0
@@ -20,6 +20,7 @@
 #include <medusa/cuda/heads.cuh>
 #include <medusa/cuda/kernel_context.hpp>
 #include <medusa/cuda/kv_commit.cuh>
+#include <medusa/cuda/skinny_gemm_instances.cuh>
 #include <medusa/cuda/step.cuh>
 #include <medusa/cuda/step_instances.cuh>
 #include <medusa/heads.hpp>

@@ -16,9 +16,9 @@
 
 #include <medusa_llama/errors.hpp>
 
-#include <medusa/cuda/attention.cuh>
+#include <medusa/cuda/attention_instances.cuh>
 #include <medusa/cuda/common.cuh>
-#include <medusa/cuda/skinny_gemm.cuh>
+#include <medusa/cuda/skinny_gemm_instances.cuh>
 #include <medusa/cuda/stream_executor.cuh>
 
 #include <cublasLt.h>
