@@ -249,40 +249,11 @@ class step_kernels {
   static cudaError_t candidates(const plan_type& p, const kernel_tree& tree, const T* head_logits,
                                 std::int64_t head_row_stride, const std::int32_t* roots, const std::int32_t* lengths,
                                 std::int32_t* node_tokens, std::int32_t* positions, std::int32_t* status,
-                                void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
-    if (workspace == nullptr || workspace_bytes < p.workspace_bytes) return cudaErrorInvalidValue;
-    auto* ids = static_cast<std::int32_t*>(workspace);
-    kernels::top_k_args<T> a;
-    a.logits = head_logits;
-    a.row_stride = head_row_stride;
-    a.out_ids = ids;
-    a.status = status;
-    a.rows_per_status = p.heads;
-    const std::size_t used = head_ids_bytes(p);
-    if (const cudaError_t e = run_top_k(p.top_k, a, static_cast<unsigned char*>(workspace) + used,
-                                        workspace_bytes - used, stream);
-        e != cudaSuccess)
-      return e;
-    kernels::gather_args g{.batch = p.batch,
-                           .heads = p.heads,
-                           .k_stride = p.k,
-                           .roots = roots,
-                           .head_top_k = ids,
-                           .lengths = lengths,
-                           .node_tokens = node_tokens,
-                           .positions = positions};
-    return run_gather(tree_of(tree), p.gather, g, stream);
-  }
+                                void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
   //! Verifies the batch (see `verify_args` for the inputs and outputs the caller points to).
   static cudaError_t verify(const plan_type& p, const kernel_tree& tree, const kernels::verify_args<T>& a,
-                            void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
-    if (workspace == nullptr && p.workspace_bytes > 0) return cudaErrorInvalidValue;
-    if (workspace_bytes < p.workspace_bytes) return cudaErrorInvalidValue;
-    const std::size_t used = head_ids_bytes(p);
-    return run_verify(p.verify, tree_of(tree), a, static_cast<unsigned char*>(workspace) + used,
-                      workspace_bytes - used, stream);
-  }
+                            void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
  private:
   static std::size_t head_ids_bytes(const plan_type& p) {
@@ -306,6 +277,50 @@ class step_kernels {
       return given;
   }
 };
+
+// Out of the class, so that `extern template class` (step_instances.cuh) keeps a translation
+// unit from instantiating them and the kernels they launch: members defined in the class are
+// inline, which an explicit instantiation declaration does not cover.
+template <class Tree, class T>
+cudaError_t step_kernels<Tree, T>::candidates(const plan_type& p, const kernel_tree& tree, const T* head_logits,
+                                              std::int64_t head_row_stride, const std::int32_t* roots,
+                                              const std::int32_t* lengths, std::int32_t* node_tokens,
+                                              std::int32_t* positions, std::int32_t* status, void* workspace,
+                                              std::size_t workspace_bytes, cudaStream_t stream) {
+  if (workspace == nullptr || workspace_bytes < p.workspace_bytes) return cudaErrorInvalidValue;
+  auto* ids = static_cast<std::int32_t*>(workspace);
+  kernels::top_k_args<T> a;
+  a.logits = head_logits;
+  a.row_stride = head_row_stride;
+  a.out_ids = ids;
+  a.status = status;
+  a.rows_per_status = p.heads;
+  const std::size_t used = head_ids_bytes(p);
+  if (const cudaError_t e = run_top_k(p.top_k, a, static_cast<unsigned char*>(workspace) + used,
+                                      workspace_bytes - used, stream);
+      e != cudaSuccess)
+    return e;
+  kernels::gather_args g{.batch = p.batch,
+                         .heads = p.heads,
+                         .k_stride = p.k,
+                         .roots = roots,
+                         .head_top_k = ids,
+                         .lengths = lengths,
+                         .node_tokens = node_tokens,
+                         .positions = positions};
+  return run_gather(tree_of(tree), p.gather, g, stream);
+}
+
+template <class Tree, class T>
+cudaError_t step_kernels<Tree, T>::verify(const plan_type& p, const kernel_tree& tree,
+                                          const kernels::verify_args<T>& a, void* workspace,
+                                          std::size_t workspace_bytes, cudaStream_t stream) {
+  if (workspace == nullptr && p.workspace_bytes > 0) return cudaErrorInvalidValue;
+  if (workspace_bytes < p.workspace_bytes) return cudaErrorInvalidValue;
+  const std::size_t used = head_ids_bytes(p);
+  return run_verify(p.verify, tree_of(tree), a, static_cast<unsigned char*>(workspace) + used,
+                    workspace_bytes - used, stream);
+}
 
 }  // namespace cuda
 MEDUSA_NAMESPACE_END
