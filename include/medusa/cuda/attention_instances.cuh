@@ -15,10 +15,10 @@
 
 //! The instantiation of the launcher for cache elements `KV` and outputs `O` (`PREFIX` is
 //! `extern` for declarations, empty in the library's sources).
-#define MEDUSA_CUDA_ATTENTION_INSTANCE(PREFIX, KV, O)                                                          \
-  PREFIX template cudaError_t medusa::cuda::run<KV, O>(const ::medusa::cuda::kernels::attention_plan&,      \
-                                                         ::medusa::cuda::kernels::attention_params<KV, O>, void*, \
-                                                         std::size_t, cudaStream_t);
+#define MEDUSA_CUDA_ATTENTION_INSTANCE(PREFIX, KV, O)   \
+  PREFIX template cudaError_t medusa::cuda::run<KV, O>( \
+      const ::medusa::cuda::kernels::attention_plan&,   \
+      ::medusa::cuda::kernels::attention_params<KV, O>, void*, std::size_t, cudaStream_t);
 
 #if !defined(MEDUSA_CUDA_KERNELS_BUILD)
 MEDUSA_CUDA_ATTENTION_INSTANCE(extern, float, float)

@@ -13,9 +13,10 @@
 
 //! The instantiation of the launcher for weights `T` (`PREFIX` is `extern` for declarations,
 //! empty in the library's sources).
-#define MEDUSA_CUDA_SKINNY_GEMM_INSTANCE(PREFIX, T)                                                  \
-  PREFIX template cudaError_t medusa::cuda::run<T>(const ::medusa::cuda::kernels::skinny_gemm_plan&, \
-                                                     const ::medusa::cuda::kernels::skinny_gemm_params<T>&, cudaStream_t);
+#define MEDUSA_CUDA_SKINNY_GEMM_INSTANCE(PREFIX, T)     \
+  PREFIX template cudaError_t medusa::cuda::run<T>(     \
+      const ::medusa::cuda::kernels::skinny_gemm_plan&, \
+      const ::medusa::cuda::kernels::skinny_gemm_params<T>&, cudaStream_t);
 
 #if !defined(MEDUSA_CUDA_KERNELS_BUILD)
 MEDUSA_CUDA_SKINNY_GEMM_INSTANCE(extern, ::medusa::bfloat16)

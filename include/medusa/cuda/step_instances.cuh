@@ -17,20 +17,20 @@
 
 //! Every instantiation of logit type `T` (`PREFIX` is `extern` for declarations, empty in the
 //! library's sources).
-#define MEDUSA_CUDA_STEP_INSTANCES(PREFIX, T)                                                           \
-  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<0>, T>;                     \
-  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<1>, T>;                     \
-  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<2>, T>;                     \
-  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<3>, T>;                     \
-  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<4>, T>;                     \
-  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<5>, T>;                     \
-  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<6>, T>;                     \
-  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<7>, T>;                     \
-  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<8>, T>;                     \
-  PREFIX template class ::medusa::cuda::step_kernels<::medusa::cuda::runtime_tree, T>;                  \
-  PREFIX template cudaError_t medusa::cuda::run_top_k<T>(const ::medusa::cuda::kernels::top_k_plan&,    \
-                                                         ::medusa::cuda::kernels::top_k_args<T>, void*, \
-                                                         std::size_t, cudaStream_t);
+#define MEDUSA_CUDA_STEP_INSTANCES(PREFIX, T)                                                    \
+  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<0>, T>;              \
+  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<1>, T>;              \
+  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<2>, T>;              \
+  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<3>, T>;              \
+  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<4>, T>;              \
+  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<5>, T>;              \
+  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<6>, T>;              \
+  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<7>, T>;              \
+  PREFIX template class ::medusa::cuda::step_kernels<::medusa::presets::tag<8>, T>;              \
+  PREFIX template class ::medusa::cuda::step_kernels<::medusa::cuda::runtime_tree, T>;           \
+  PREFIX template cudaError_t medusa::cuda::run_top_k<T>(                                        \
+      const ::medusa::cuda::kernels::top_k_plan&, ::medusa::cuda::kernels::top_k_args<T>, void*, \
+      std::size_t, cudaStream_t);
 
 static_assert(::medusa::preset_table.size() == 9, "step_instances.cuh lists 9 presets: update the list");
 
