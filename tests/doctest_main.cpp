@@ -1,3 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+// The units' main: doctest's, after making a misdetecting OpenBLAS use its AVX-512 kernels (the
+// engine's prefill and the trainer run their GEMMs through it; medusa_llama/openblas_env.hpp).
+#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+
+#include <medusa_llama/openblas_env.hpp>
+
+int main(int argc, char** argv) {
+  medusa_llama::reexec_with_fast_openblas(argv);
+  return doctest::Context(argc, argv).run();
+}

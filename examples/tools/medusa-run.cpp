@@ -19,6 +19,7 @@
 
 #include <medusa_llama/cuda_engine.hpp>
 #include <medusa_llama/load.hpp>
+#include <medusa_llama/openblas_env.hpp>
 #include <medusa_llama/prompt_file.hpp>
 
 #include "run/draft_tokens.hpp"
@@ -158,6 +159,8 @@ using medusa_run::run_mode;
 using medusa_run::usage_error;
 
 int main(int argc, char** argv) {
+  // AVX-512 sgemm kernels (the prefill's) where OpenBLAS misdetects the CPU.
+  medusa_llama::reexec_with_fast_openblas(argv);
   CLI::App app{"Generate text with a Llama model on the CPU or a CUDA GPU, plainly and with Medusa heads", "medusa-run"};
   run_args a;
   app.add_option("--model", a.model, "llama2.c .bin file, GGUF file or Hugging Face model directory")->required();

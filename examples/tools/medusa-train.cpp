@@ -4,7 +4,7 @@
 // jointly). Writes medusa_heads.safetensors + config.json + calibration.json (+ model/ and adapter/).
 #include "tool_common.hpp"
 
-#include <medusa_train/openblas_env.hpp>
+#include <medusa_llama/openblas_env.hpp>
 #include <medusa_train/pipeline.hpp>
 
 #include <fmt/format.h>
@@ -57,7 +57,8 @@ class status_line {
 int main(int argc, char** argv) {
   // A file-size limit (or quota) must fail the write with an error, not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
-  medusa_train::reexec_with_fast_openblas(argv);  // AVX-512 sgemm kernels (5x) where OpenBLAS misdetects the CPU
+  // AVX-512 sgemm kernels (5x) where OpenBLAS misdetects the CPU.
+  medusa_llama::reexec_with_fast_openblas(argv);
   CLI::App app{"Train Medusa heads on the CPU by self-distillation (Medusa-1: frozen backbone and lm_head)", "medusa-train"};
   medusa_train::run_options o;
   std::string cache_dtype = "bf16";
