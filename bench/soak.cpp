@@ -16,6 +16,7 @@
 
 #include <medusa_llama/engine.hpp>
 #include <medusa_llama/load.hpp>
+#include <medusa_llama/openblas_env.hpp>
 #include <medusa_llama/packed_heads.hpp>
 
 #include <nlohmann/json.hpp>
@@ -255,6 +256,8 @@ int run(const soak_args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The prefill's GEMMs on OpenBLAS's AVX-512 kernels where it misdetects the CPU.
+  medusa_llama::reexec_with_fast_openblas(argv);
   const soak_args a = parse(argc, argv);
   try {
     return run(a);
