@@ -12,6 +12,7 @@
 #include <medusa_llama/cuda_engine.hpp>
 #include <medusa_llama/llama.hpp>
 #include <medusa_llama/load.hpp>
+#include <medusa_llama/openblas_env.hpp>
 
 #include <medusa/decoder.hpp>
 #include <medusa/io.hpp>
@@ -336,6 +337,8 @@ struct assertion_counter final : doctest::IReporter {
 DOCTEST_REGISTER_LISTENER("assertion_counter", 1, assertion_counter);
 
 int main(int argc, char** argv) {
+  // The reference CPU engine's prefill on OpenBLAS's AVX-512 kernels where it misdetects the CPU.
+  medusa_llama::reexec_with_fast_openblas(argv);
   if (cuda_device_count() == 0) {
     std::puts(cuda_engine_compiled() ? "no CUDA device: GPU tests skipped" : "no CUDA support in this build: GPU tests skipped");
     return 77;

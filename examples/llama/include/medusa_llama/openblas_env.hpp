@@ -7,8 +7,8 @@
 //! slower than with "SkylakeX". The kernel table is chosen when the library loads, from the
 //! `OPENBLAS_CORETYPE` environment variable, so the only safe fix is to set it and re-execute the
 //! program before any work is done. Programs call `reexec_with_fast_openblas(argv)` first thing
-//! (the tools and the tests' main). OpenBLAS is looked up in the running process, so a program
-//! that does not load it is left alone.
+//! (the tools, soak, and the mains of the tests and benchmarks). OpenBLAS is looked up in the
+//! running process, so a program that does not load it is left alone.
 //!
 //! @code
 //! int main(int argc, char** argv) {
