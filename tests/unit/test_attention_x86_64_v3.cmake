@@ -6,9 +6,5 @@ set_property(TARGET ${name} PROPERTY LINK_LIBRARIES medusa::medusa doctest::doct
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   target_compile_options(${name} PRIVATE -march=x86-64-v3)
 endif()
-# At -O2 in a release build (-O3 elsewhere, the AVX-512 unit included): g++ contracts a·b + c into
-# fused multiply-adds by its own choice, differently at the two levels, and a row's bits must not
-# depend on it.
-target_compile_options(${name} PRIVATE $<$<CONFIG:Release>:-O2>)
 # Built with its own -march: not with the precompiled header of the other units.
 set_target_properties(${name} PROPERTIES DISABLE_PRECOMPILE_HEADERS ON)

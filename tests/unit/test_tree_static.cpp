@@ -10,6 +10,7 @@
 #include <array>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <span>
 #include <sstream>
@@ -316,7 +317,7 @@ TEST_CASE("preset table: nodes, depth, nodes per depth, leaves, hash") {
 }
 
 TEST_CASE("preset data matches the reference's preset module, in source order") {
-  const std::string spec_path = std::string(MEDUSA_SHARED_DIR) + "/docs/medusa-spec.md";
+  const std::filesystem::path spec_path = std::filesystem::path(MEDUSA_SHARED_DIR) / "docs/medusa-spec.md";
   std::ifstream in(spec_path);
   if (!in) {
     MESSAGE("skipped: " << spec_path << " not found");

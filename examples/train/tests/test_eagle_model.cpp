@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <random>
@@ -338,7 +339,7 @@ TEST_CASE("a short fit lowers the drafter's loss, and its chain figures are cons
 TEST_CASE("fc.bin holds the magic, version, shape and W_fc row-major") {
   const auto target = medusa_llama::model::random(tiny_config(medusa_llama::rope_style::adjacent_pairs), 2, 0.2f);
   eagle_model em(target, 0, 1);
-  const std::string path = std::string(MEDUSA_TEST_TMPDIR) + "/eagle-fc.bin";
+  const std::filesystem::path path = std::filesystem::path(MEDUSA_TEST_TMPDIR) / "eagle-fc.bin";
   em.save_fc(path);
   std::ifstream in(path, std::ios::binary);
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
