@@ -48,6 +48,7 @@
 
 #include <medusa/config.hpp>
 #include <medusa/detail/exp2.hpp>
+#include <medusa/detail/mul_add.hpp>
 #include <medusa/error.hpp>
 #include <medusa/half.hpp>
 #include <medusa/kv_cache.hpp>
@@ -168,18 +169,6 @@ inline void attn_load_row(const half* src, float* dst, int n) noexcept {
 // the terms of index l mod 8) and the lanes are added in a fixed tree at the end, so that no
 // reassociation is needed; fixed-size inner loops and local tiles that g++ keeps in registers.
 
-// a·b + c, rounded once where the target has a fused multiply-add (x86 FMA3, AArch64) and twice
-// where it has none. Spelled out because g++ contracts a·b + c on such targets by its own choice,
-// which differs with -O2 and -O3 and between two instantiations of one template: a row's bits
-// would then depend on the size of its call. The vectoriser turns both forms into vector code.
-inline float attn_mul_add(float a, float b, float c) noexcept {
-#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-
 // a[0] + ... + a[7]: (a[l] + a[l+4]), then +2, +1.
 inline float attn_lane_sum(float* a) noexcept {
   for (int l = 0; l < 4; ++l) a[l] += a[l + 4];
@@ -196,11 +185,11 @@ inline void attn_scores_lanes(const float* q, const float* const* keys, int D, f
   for (int d0 = 0; d0 < Df; d0 += W)
     for (int l = 0; l < W; ++l) {
       const float x = q[d0 + l];
-      for (int k = 0; k < NK; ++k) acc[k][l] = attn_mul_add(x, keys[k][d0 + l], acc[k][l]);
+      for (int k = 0; k < NK; ++k) acc[k][l] = mul_add(x, keys[k][d0 + l], acc[k][l]);
     }
   if (Df < D)
     for (int k = 0; k < NK; ++k)  // the last D mod W terms, into the first lanes
-      for (int l = 0; l < D - Df; ++l) acc[k][l] = attn_mul_add(q[Df + l], keys[k][Df + l], acc[k][l]);
+      for (int l = 0; l < D - Df; ++l) acc[k][l] = mul_add(q[Df + l], keys[k][Df + l], acc[k][l]);
   for (int k = 0; k < NK; ++k) s[k] = attn_lane_sum(acc[k]);
 }
 
@@ -238,7 +227,7 @@ inline void attn_accumulate_tile(const float* p, std::size_t ldp, const float* c
     for (int r = 0; r < NR; ++r) {
       const float w = p[r * ldp + static_cast<std::size_t>(j)];
       MEDUSA_ATTN_UNROLLED
-      for (int c = 0; c < C; ++c) acc[r][c] = attn_mul_add(w, v[c], acc[r][c]);
+      for (int c = 0; c < C; ++c) acc[r][c] = mul_add(w, v[c], acc[r][c]);
     }
   }
   for (int r = 0; r < NR; ++r)

@@ -42,8 +42,15 @@
 // an engine that links translation units built with different `-m` flags gets one definition per
 // instruction set instead of an ODR violation. The levels: AVX-512 (`-march=x86-64-v4` and
 // above), AVX2 with FMA and F16C (`-march=x86-64-v3`), AVX with F16C, portable. Each level also
-// has the intrinsics of the levels below it (MEDUSA_ISA_AVX2 is 1 in an AVX-512 unit). Define
-// MEDUSA_PORTABLE_KERNELS to force the portable bodies.
+// has the intrinsics of the levels below it (MEDUSA_ISA_AVX2 is 1 in an AVX-512 unit). The last
+// two are split again by whether the target has a fused multiply-add (x86 FMA3, every AArch64):
+// the bodies that round a·b + c once there and twice elsewhere (detail/mul_add.hpp) differ too.
+// Define MEDUSA_PORTABLE_KERNELS to force the portable bodies.
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+#define MEDUSA_ISA_FMA 1
+#else
+#define MEDUSA_ISA_FMA 0
+#endif
 #if defined(__AVX512F__) && !defined(MEDUSA_PORTABLE_KERNELS)
 #define MEDUSA_ISA_AVX512 1
 #define MEDUSA_ISA_AVX2 1
@@ -58,12 +65,20 @@
 #define MEDUSA_ISA_AVX512 0
 #define MEDUSA_ISA_AVX2 0
 #define MEDUSA_ISA_F16C 1
+#if MEDUSA_ISA_FMA
+#define MEDUSA_ISA_NAMESPACE isa_avx_f16c_fma
+#else
 #define MEDUSA_ISA_NAMESPACE isa_avx_f16c
+#endif
 #else
 #define MEDUSA_ISA_AVX512 0
 #define MEDUSA_ISA_AVX2 0
 #define MEDUSA_ISA_F16C 0
+#if MEDUSA_ISA_FMA
+#define MEDUSA_ISA_NAMESPACE isa_portable_fma
+#else
 #define MEDUSA_ISA_NAMESPACE isa_portable
+#endif
 #endif
 //! Opens the instruction-set namespace (inside `MEDUSA_NAMESPACE_BEGIN` or a nested namespace).
 #define MEDUSA_ISA_NAMESPACE_BEGIN inline namespace MEDUSA_ISA_NAMESPACE {

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -704,3 +705,32 @@ TEST_CASE("the examples of attention.hpp and docs/kv_cache.md run") {
   };
   check_close(out, reference(kv, 0, L, p.q, n, hq, vis, 1.0f / std::sqrt(static_cast<float>(D))));
 }
+
+#if MEDUSA_ISA_AVX2
+// With FMA the scalar exp2 fuses its multiply-adds (detail/mul_add.hpp) as the vector forms do, so
+// all three give one result: a weight does not depend on which form its key went through.
+TEST_CASE("the scalar exp2 gives the bits of the vector forms") {
+  std::vector<float> t;
+  for (float x = -140.0f; x <= 140.0f; x += 0.0173f) t.push_back(x);
+  for (int k = -130; k <= 130; ++k) t.push_back(static_cast<float>(k) + 0.5f);  // ties of the rounding
+  for (const float x : {0.0f, -0.0f, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                        std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::denorm_min()})
+    t.push_back(x);
+  while (t.size() % 16 != 0) t.push_back(1.0f);
+  std::vector<float> scalar(t.size()), v8(t.size());
+  for (std::size_t i = 0; i < t.size(); ++i) scalar[i] = medusa::detail::exp2_approx(t[i]);
+  for (std::size_t i = 0; i < t.size(); i += 8) _mm256_storeu_ps(&v8[i], medusa::detail::exp2_approx(_mm256_loadu_ps(&t[i])));
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    INFO("t = " << t[i]);
+    REQUIRE(std::bit_cast<std::uint32_t>(v8[i]) == std::bit_cast<std::uint32_t>(scalar[i]));
+  }
+#if MEDUSA_ISA_AVX512
+  std::vector<float> v16(t.size());
+  for (std::size_t i = 0; i < t.size(); i += 16) _mm512_storeu_ps(&v16[i], medusa::detail::exp2_approx(_mm512_loadu_ps(&t[i])));
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    INFO("t = " << t[i]);
+    REQUIRE(std::bit_cast<std::uint32_t>(v16[i]) == std::bit_cast<std::uint32_t>(scalar[i]));
+  }
+#endif
+}
+#endif

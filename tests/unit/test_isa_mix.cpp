@@ -4,6 +4,7 @@
 // the linker keeping one of them for both, which is what an ODR violation would do.
 #include <medusa/attention.hpp>
 #include <medusa/config.hpp>
+#include <medusa/detail/mul_add.hpp>
 
 #include <doctest/doctest.h>
 
@@ -20,6 +21,9 @@ const void* other_kernel_isa_address();
 bool other_is_avx512();
 void other_attention(const medusa::kv_cache_view<float>& kv, int L, std::span<const float> q, int n, int hq,
                      medusa::tree_mask_view mask, std::span<float> out);
+bool fma_unit_has_fma();
+float fma_unit_mul_add(float a, float b, float c);
+const void* fma_unit_mul_add_address();
 }  // namespace isa_mix
 
 TEST_CASE("each translation unit runs the kernels of its own instruction set") {
@@ -48,4 +52,22 @@ TEST_CASE("both instruction sets compute the same tree attention") {
   medusa::tree_attention(kv, 0, L, q, n, hq, medusa::tree_mask_view{mask, 1}, a);
   isa_mix::other_attention(kv, L, q, n, hq, medusa::tree_mask_view{mask, 1}, b);
   for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(std::abs(a[i] - b[i]) < 1e-5f);
+}
+
+TEST_CASE("a unit with a fused multiply-add and one without each keep their own rounding of a·b + c") {
+#if defined(__x86_64__) || defined(__i386__)
+  if (!__builtin_cpu_supports("fma")) {
+    MESSAGE("skipped: this CPU has no FMA, the -mfma unit cannot run");
+    return;
+  }
+#endif
+  // (1 + 2^-12)² - 1 = 2^-11 + 2^-24: rounded once it stays; rounding the product first (a tie,
+  // to even) drops the 2^-24.
+  volatile float a = 1.0f + 0x1p-12f, c = -1.0f;
+  const float fused = 0x1p-11f + 0x1p-24f, twice = 0x1p-11f;
+  CHECK(isa_mix::fma_unit_has_fma());
+  CHECK(isa_mix::fma_unit_mul_add(a, a, c) == fused);
+  CHECK(medusa::detail::mul_add(a, a, c) == (MEDUSA_ISA_FMA ? fused : twice));
+  if (!MEDUSA_ISA_FMA)  // the default x86-64 target: two definitions survive linking, one per unit
+    CHECK(reinterpret_cast<const void*>(&medusa::detail::mul_add) != isa_mix::fma_unit_mul_add_address());
 }

@@ -5,10 +5,13 @@
 //! exponent bits. `t` is clamped to [-127, 127]: results below 2^-126.5 are exactly 0 (softmax
 //! weights far below the maximum), NaN gives 0. The scalar form is branch-free, so loops over it
 //! vectorise without -ffast-math (a libm call cannot); the AVX2 and AVX-512 forms compute the same
-//! polynomial eight and sixteen lanes at a time. `exp(x) = exp2(x · log2 e)`.
+//! polynomial eight and sixteen lanes at a time, with the same roundings: the scalar form fuses its
+//! multiply-adds where the target has FMA (detail/mul_add.hpp), and gives their bits there.
+//! `exp(x) = exp2(x · log2 e)`.
 #pragma once
 
 #include <medusa/config.hpp>
+#include <medusa/detail/mul_add.hpp>
 
 #include <cstdint>
 
@@ -47,13 +50,13 @@ inline float exp2_approx(float t) noexcept {
   const float n = (tc + 12582912.0f) - 12582912.0f;
   const float f = tc - n;
   float p = exp2_c7;
-  p = p * f + exp2_c6;
-  p = p * f + exp2_c5;
-  p = p * f + exp2_c4;
-  p = p * f + exp2_c3;
-  p = p * f + exp2_c2;
-  p = p * f + exp2_c1;
-  p = p * f + 1.0f;
+  p = mul_add(p, f, exp2_c6);
+  p = mul_add(p, f, exp2_c5);
+  p = mul_add(p, f, exp2_c4);
+  p = mul_add(p, f, exp2_c3);
+  p = mul_add(p, f, exp2_c2);
+  p = mul_add(p, f, exp2_c1);
+  p = mul_add(p, f, 1.0f);
   const auto e = static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127);  // [0, 254]; 0 gives 0
   return p * __builtin_bit_cast(float, e << 23);
 }
