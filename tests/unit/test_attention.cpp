@@ -717,20 +717,19 @@ TEST_CASE("the scalar exp2 gives the bits of the vector forms") {
                         std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::denorm_min()})
     t.push_back(x);
   while (t.size() % 16 != 0) t.push_back(1.0f);
-  std::vector<float> scalar(t.size()), v8(t.size());
+  std::vector<float> scalar(t.size()), vec(t.size());
   for (std::size_t i = 0; i < t.size(); ++i) scalar[i] = medusa::detail::exp2_approx(t[i]);
-  for (std::size_t i = 0; i < t.size(); i += 8) _mm256_storeu_ps(&v8[i], medusa::detail::exp2_approx(_mm256_loadu_ps(&t[i])));
-  for (std::size_t i = 0; i < t.size(); ++i) {
-    INFO("t = " << t[i]);
-    REQUIRE(std::bit_cast<std::uint32_t>(v8[i]) == std::bit_cast<std::uint32_t>(scalar[i]));
-  }
+  const auto require_scalar_bits = [&] {
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      INFO("t = " << t[i]);
+      REQUIRE(std::bit_cast<std::uint32_t>(vec[i]) == std::bit_cast<std::uint32_t>(scalar[i]));
+    }
+  };
+  for (std::size_t i = 0; i < t.size(); i += 8) _mm256_storeu_ps(&vec[i], medusa::detail::exp2_approx(_mm256_loadu_ps(&t[i])));
+  require_scalar_bits();
 #if MEDUSA_ISA_AVX512
-  std::vector<float> v16(t.size());
-  for (std::size_t i = 0; i < t.size(); i += 16) _mm512_storeu_ps(&v16[i], medusa::detail::exp2_approx(_mm512_loadu_ps(&t[i])));
-  for (std::size_t i = 0; i < t.size(); ++i) {
-    INFO("t = " << t[i]);
-    REQUIRE(std::bit_cast<std::uint32_t>(v16[i]) == std::bit_cast<std::uint32_t>(scalar[i]));
-  }
+  for (std::size_t i = 0; i < t.size(); i += 16) _mm512_storeu_ps(&vec[i], medusa::detail::exp2_approx(_mm512_loadu_ps(&t[i])));
+  require_scalar_bits();
 #endif
 }
 #endif
