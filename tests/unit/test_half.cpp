@@ -77,34 +77,31 @@ std::uint16_t reference_bf16(float f) {
 
 }  // namespace
 
-TEST_CASE("16-bit types are trivially copyable 2-byte storage") {
-  static_assert(sizeof(medusa::half) == 2 && std::is_trivially_copyable_v<medusa::half>);
-  static_assert(sizeof(medusa::bfloat16) == 2 && std::is_trivially_copyable_v<medusa::bfloat16>);
-  static_assert(std::is_standard_layout_v<medusa::half> && std::is_standard_layout_v<medusa::bfloat16>);
-  static_assert(!std::is_convertible_v<float, medusa::half>);  // rounding is explicit
-  static_assert(std::is_convertible_v<medusa::half, float>);   // widening is exact, implicit
-  static_assert(medusa::is_kv_element_v<const medusa::bfloat16> && !medusa::is_kv_element_v<double>);
-}
-
-TEST_CASE("constexpr conversions of known values") {
-  static_assert(medusa::half(1.0f).bits() == 0x3C00);
-  static_assert(medusa::half(-2.0f).bits() == 0xC000);
-  static_assert(medusa::half(65504.0f).bits() == 0x7BFF);
-  static_assert(medusa::half(65520.0f).bits() == 0x7C00);  // tie above the max rounds to Inf
-  static_assert(medusa::half(65519.99f).bits() == 0x7BFF);
-  static_assert(medusa::half(0.1f).bits() == 0x2E66);
-  static_assert(medusa::half(5.9604645e-08f).bits() == 0x0001);  // 2^-24, smallest subnormal
-  static_assert(medusa::half(2.9802322e-08f).bits() == 0x0000);  // 2^-25: tie, to even (0)
-  static_assert(medusa::half(-0.0f).bits() == 0x8000);
-  static_assert(static_cast<float>(medusa::half::from_bits(0x3555)) == 0.33325195f);
-  static_assert(static_cast<float>(medusa::half::from_bits(0x0001)) == 5.9604645e-08f);
-  static_assert(medusa::bfloat16(1.0f).bits() == 0x3F80);
-  static_assert(medusa::bfloat16(3.14159265f).bits() == 0x4049);
-  static_assert(medusa::bfloat16(1.00390625f).bits() == 0x3F80);  // 1 + 2^-8: tie, to even
-  static_assert(medusa::bfloat16(1.01171875f).bits() == 0x3F82);  // 1 + 3*2^-8: tie, to even
-  static_assert(static_cast<float>(medusa::bfloat16::from_bits(0xC2F7)) == -123.5f);
-  static_assert(medusa::from_float<medusa::half>(medusa::to_float(medusa::half(0.5f))).bits() == 0x3800);
-}
+// Compile-time checks (this unit does not compile when one fails): 16-bit types are trivially
+// copyable 2-byte storage, and their constexpr conversions give the known bits.
+static_assert(sizeof(medusa::half) == 2 && std::is_trivially_copyable_v<medusa::half>);
+static_assert(sizeof(medusa::bfloat16) == 2 && std::is_trivially_copyable_v<medusa::bfloat16>);
+static_assert(std::is_standard_layout_v<medusa::half> && std::is_standard_layout_v<medusa::bfloat16>);
+static_assert(!std::is_convertible_v<float, medusa::half>);  // rounding is explicit
+static_assert(std::is_convertible_v<medusa::half, float>);   // widening is exact, implicit
+static_assert(medusa::is_kv_element_v<const medusa::bfloat16> && !medusa::is_kv_element_v<double>);
+static_assert(medusa::half(1.0f).bits() == 0x3C00);
+static_assert(medusa::half(-2.0f).bits() == 0xC000);
+static_assert(medusa::half(65504.0f).bits() == 0x7BFF);
+static_assert(medusa::half(65520.0f).bits() == 0x7C00);  // tie above the max rounds to Inf
+static_assert(medusa::half(65519.99f).bits() == 0x7BFF);
+static_assert(medusa::half(0.1f).bits() == 0x2E66);
+static_assert(medusa::half(5.9604645e-08f).bits() == 0x0001);  // 2^-24, smallest subnormal
+static_assert(medusa::half(2.9802322e-08f).bits() == 0x0000);  // 2^-25: tie, to even (0)
+static_assert(medusa::half(-0.0f).bits() == 0x8000);
+static_assert(static_cast<float>(medusa::half::from_bits(0x3555)) == 0.33325195f);
+static_assert(static_cast<float>(medusa::half::from_bits(0x0001)) == 5.9604645e-08f);
+static_assert(medusa::bfloat16(1.0f).bits() == 0x3F80);
+static_assert(medusa::bfloat16(3.14159265f).bits() == 0x4049);
+static_assert(medusa::bfloat16(1.00390625f).bits() == 0x3F80);  // 1 + 2^-8: tie, to even
+static_assert(medusa::bfloat16(1.01171875f).bits() == 0x3F82);  // 1 + 3*2^-8: tie, to even
+static_assert(static_cast<float>(medusa::bfloat16::from_bits(0xC2F7)) == -123.5f);
+static_assert(medusa::from_float<medusa::half>(medusa::to_float(medusa::half(0.5f))).bits() == 0x3800);
 
 TEST_CASE("half: all 65536 patterns convert exactly and round-trip bit for bit") {
   for (std::uint32_t u = 0; u < 65536; ++u) {

@@ -6,11 +6,13 @@
 // own doctest main so that no unit built for another instruction set is linked in.
 #pragma once
 
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cstdio>
 #include <cstdlib>
+
+#include "../checked_nothing.hpp"
 
 namespace {
 
@@ -46,3 +48,9 @@ bool cpu_has_x86_level() { return false; }
 }
 
 }  // namespace
+
+int main(int argc, char** argv) {
+  doctest::Context ctx(argc, argv);
+  const int result = ctx.run();
+  return medusa_test::verdict(ctx, result);
+}

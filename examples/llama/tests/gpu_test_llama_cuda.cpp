@@ -32,6 +32,8 @@
 #include <string>
 #include <vector>
 
+#include "checked_nothing.hpp"
+
 namespace fs = std::filesystem;
 using namespace medusa_llama;
 
@@ -315,27 +317,6 @@ TEST_CASE("bad input: a tree deeper than the heads, an empty prompt, too many pr
   CHECK_THROWS_AS(plain.generate(three, 4), engine_error);
 }
 
-// Counts the assertions of the run, so that a run that checked nothing reports itself skipped.
-namespace {
-struct assertion_counter final : doctest::IReporter {
-  static inline int asserts = 0;
-  explicit assertion_counter(const doctest::ContextOptions&) {}
-  void report_query(const doctest::QueryData&) override {}
-  void test_run_start() override {}
-  void test_run_end(const doctest::TestRunStats& s) override { asserts = s.numAsserts; }
-  void test_case_start(const doctest::TestCaseData&) override {}
-  void test_case_reenter(const doctest::TestCaseData&) override {}
-  void test_case_end(const doctest::CurrentTestCaseStats&) override {}
-  void test_case_exception(const doctest::TestCaseException&) override {}
-  void subcase_start(const doctest::SubcaseSignature&) override {}
-  void subcase_end() override {}
-  void log_assert(const doctest::AssertData&) override {}
-  void log_message(const doctest::MessageData&) override {}
-  void test_case_skipped(const doctest::TestCaseData&) override {}
-};
-}  // namespace
-DOCTEST_REGISTER_LISTENER("assertion_counter", 1, assertion_counter);
-
 int main(int argc, char** argv) {
   // The reference CPU engine's prefill on OpenBLAS's AVX-512 kernels where it misdetects the CPU.
   medusa_llama::reexec_with_fast_openblas(argv);
@@ -345,9 +326,5 @@ int main(int argc, char** argv) {
   }
   doctest::Context ctx(argc, argv);
   const int result = ctx.run();
-  if (result == 0 && assertion_counter::asserts == 0 && !ctx.shouldExit()) {
-    std::puts("no check ran (the shared models are absent): GPU tests skipped");
-    return 77;
-  }
-  return result;
+  return medusa_test::verdict(ctx, result);  // 77 when no check ran (the shared models are absent)
 }
