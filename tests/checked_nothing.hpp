@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Honest verdicts for the doctest mains. A case that finds its input absent (a shared model, a
 // device) returns without an assertion, and doctest counts it passed; this listener names every
-// such case as skipped, and `verdict` turns a run that checked nothing at all into exit 77 (ctest's
+// such case as skipped, and `run` turns a run that checked nothing at all into exit 77 (ctest's
 // SKIP_RETURN_CODE). Include it in exactly one source of an executable, the one that defines main.
 #pragma once
 #include <doctest/doctest.h>
@@ -37,9 +37,11 @@ struct checked_nothing final : doctest::IReporter {
   void test_case_skipped(const doctest::TestCaseData&) override {}
 };
 
-//! The exit status of a run whose doctest result is `result`: 77 when it passed without a single
-//! assertion; the cases that checked nothing are listed either way.
-inline int verdict(doctest::Context& ctx, int result) {
+//! Runs doctest over the command line and returns the exit status: doctest's, or 77 when the run
+//! passed without a single assertion; the cases that checked nothing are listed either way.
+inline int run(int argc, char** argv) {
+  doctest::Context ctx(argc, argv);
+  const int result = ctx.run();
   if (ctx.shouldExit()) return result;  // --help, --list-test-cases and the like ran no case
   for (const std::string& name : checked_nothing::unchecked) std::printf("skipped (no check ran): %s\n", name.c_str());
   if (result == 0 && checked_nothing::asserts == 0) {

@@ -11,7 +11,5 @@
 
 int main(int argc, char** argv) {
   medusa_llama::reexec_with_fast_openblas(argv);
-  doctest::Context ctx(argc, argv);
-  const int result = ctx.run();
-  return medusa_test::verdict(ctx, result);
+  return medusa_test::run(argc, argv);
 }

@@ -16,7 +16,5 @@ int main(int argc, char** argv) {
     std::puts("no CUDA device: GPU tests skipped");
     return 77;
   }
-  doctest::Context ctx(argc, argv);
-  const int result = ctx.run();
-  return medusa_test::verdict(ctx, result);
+  return medusa_test::run(argc, argv);
 }

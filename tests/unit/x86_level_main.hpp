@@ -50,7 +50,5 @@ bool cpu_has_x86_level() { return false; }
 }  // namespace
 
 int main(int argc, char** argv) {
-  doctest::Context ctx(argc, argv);
-  const int result = ctx.run();
-  return medusa_test::verdict(ctx, result);
+  return medusa_test::run(argc, argv);
 }

@@ -324,7 +324,5 @@ int main(int argc, char** argv) {
     std::puts(cuda_engine_compiled() ? "no CUDA device: GPU tests skipped" : "no CUDA support in this build: GPU tests skipped");
     return 77;
   }
-  doctest::Context ctx(argc, argv);
-  const int result = ctx.run();
-  return medusa_test::verdict(ctx, result);  // 77 when no check ran (the shared models are absent)
+  return medusa_test::run(argc, argv);  // 77 when no check ran (the shared models are absent)
 }
